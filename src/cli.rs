@@ -1,0 +1,160 @@
+//! The command line: `worker`, `sweep`, and the `worker_main.py` drop-in.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::sweep::{self, SweepOptions};
+use crate::worker::{self, WorkerOptions};
+use crate::zygote::ZygoteOptions;
+use crate::zygote::interpreter::BUILD_PYTHON;
+
+#[derive(Parser)]
+#[command(
+    name = "fluksio-zygote",
+    version,
+    about = "Runs the Python code of Fluksio nodes: CPython embedded, heavy modules \
+             imported once in a zygote, a forked child per call.",
+    after_help = "Invoked as `fluksio-zygote PATH/worker_main.py`, it is `fluksio-zygote worker`: \
+                  give the binary to the engine's PythonWorkerPool as its interpreter."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the worker contract on stdin/stdout (a drop-in for `python worker_main.py`)
+    Worker(WorkerArgs),
+    /// Run a node once per grid point, each call in its own child, and summarise
+    Sweep(SweepArgs),
+}
+
+/// How the zygote starts: which Python, what it imports up front.
+#[derive(Args, Debug, Clone)]
+struct ZygoteArgs {
+    /// The interpreter node code runs on; a venv's bin/python works
+    /// [default: the one this binary was built against]
+    #[arg(long, env = "FLUKSIO_PYTHON", value_name = "PATH")]
+    python: Option<PathBuf>,
+
+    /// Modules to import once in the zygote, before the first fork (comma-separated),
+    /// e.g. numpy,pandas
+    #[arg(
+        long,
+        env = "FLUKSIO_PRELOAD",
+        value_delimiter = ',',
+        value_name = "MODULES"
+    )]
+    preload: Vec<String>,
+}
+
+impl ZygoteArgs {
+    fn options(&self) -> ZygoteOptions {
+        ZygoteOptions {
+            python: self
+                .python
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(BUILD_PYTHON)),
+            preload: self
+                .preload
+                .iter()
+                .map(|m| m.trim().to_string())
+                .filter(|m| !m.is_empty())
+                .collect(),
+        }
+    }
+}
+
+#[derive(Args)]
+struct WorkerArgs {
+    #[command(flatten)]
+    zygote: ZygoteArgs,
+
+    /// Refuse (and skip) a request line longer than this, in MiB
+    #[arg(long, value_name = "MIB", default_value_t = 512)]
+    max_request_mb: usize,
+}
+
+#[derive(Args)]
+struct SweepArgs {
+    /// The node's source file: defines `process(**inputs)` or one public function
+    node: PathBuf,
+
+    /// A grid axis, NAME=VALUES: `x=0..999` (inclusive), `x=0..1:0.25` (with a step),
+    /// `x=1,2,5` or `name=a,b`; repeat for a product of axes
+    #[arg(long = "grid", value_name = "NAME=VALUES", required = true)]
+    grids: Vec<String>,
+
+    /// Keyword arguments every call gets besides its grid point, as a JSON object
+    #[arg(long, value_name = "JSON")]
+    kwargs: Option<String>,
+
+    /// Calls in flight at once [default: the number of CPUs]
+    #[arg(long, short = 'j', value_name = "N")]
+    jobs: Option<usize>,
+
+    #[command(flatten)]
+    zygote: ZygoteArgs,
+}
+
+/// Parses the command line and runs it.
+pub fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse_from(rewrite_worker_main(std::env::args_os().collect()));
+    match cli.command {
+        Command::Worker(args) => worker::run(&WorkerOptions {
+            zygote: args.zygote.options(),
+            max_request_bytes: args.max_request_mb.saturating_mul(1 << 20),
+        }),
+        Command::Sweep(args) => sweep::run(&SweepOptions {
+            zygote: args.zygote.options(),
+            node: args.node,
+            grids: args.grids,
+            kwargs: args.kwargs,
+            jobs: args.jobs,
+        }),
+    }
+}
+
+/// `fluksio-zygote PATH/worker_main.py …` is `fluksio-zygote worker …`: the
+/// pool starts `[interpreter, worker_main.py]`, and the binary is the
+/// interpreter.
+fn rewrite_worker_main(mut args: Vec<OsString>) -> Vec<OsString> {
+    let is_worker_main = args.get(1).map(PathBuf::from).is_some_and(|path| {
+        path.file_name()
+            .is_some_and(|name| name == "worker_main.py")
+    });
+    if is_worker_main {
+        args[1] = "worker".into();
+    }
+    args
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_main_path_means_worker() {
+        let args =
+            rewrite_worker_main(vec!["fz".into(), "/x/fluksio_worker/worker_main.py".into()]);
+        assert_eq!(args, vec![OsString::from("fz"), OsString::from("worker")]);
+        let args = rewrite_worker_main(vec!["fz".into(), "sweep".into()]);
+        assert_eq!(args[1], OsString::from("sweep"));
+    }
+}

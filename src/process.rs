@@ -1,0 +1,189 @@
+//! Process control: how a child ended, its process group, waiting on it.
+//!
+//! The issues this solves:
+//! 1. A reply has to say how a call's process ended without a reply
+//!    (`exited with code 3`, `killed by SIGSEGV`). That is [`ChildEnd`], one
+//!    enum that every such message is rendered from, never a string assembled
+//!    on the way.
+//! 2. A node may leave processes behind (a subprocess, a `multiprocessing`
+//!    pool). Every call's child leads its own session, so ending the call is
+//!    one `killpg`; [`kill_group`] does it while the leader is still a zombie,
+//!    before its pid can be reused.
+//! 3. Waiting on a pipe alone is not enough: a forked grandchild can hold the
+//!    write end open after the child died. [`ExitWatch`] is a pidfd, readable
+//!    when the child exits, polled beside the pipe.
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+
+/// How a child process ended, as its parent saw it when reaping it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChildEnd {
+    /// `_exit(code)`, `sys.exit(code)`, or returning normally (code 0).
+    Exited(i32),
+    /// Ended by a signal: a crash (SIGSEGV, SIGABRT) or a kill.
+    Signaled(Signal),
+}
+
+impl ChildEnd {
+    fn from_wait_status(status: libc::c_int) -> ChildEnd {
+        if libc::WIFSIGNALED(status) {
+            let signal = Signal::try_from(libc::WTERMSIG(status)).unwrap_or(Signal::SIGKILL);
+            ChildEnd::Signaled(signal)
+        } else {
+            ChildEnd::Exited(libc::WEXITSTATUS(status))
+        }
+    }
+
+    pub fn success(&self) -> bool {
+        *self == ChildEnd::Exited(0)
+    }
+}
+
+impl fmt::Display for ChildEnd {
+    /// Reads after "the node process": `exited with code 3`,
+    /// `was killed by SIGSEGV (segmentation fault)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ChildEnd::Exited(code) => write!(f, "exited with code {code}"),
+            ChildEnd::Signaled(signal) => {
+                write!(f, "was killed by {}", signal.as_str())?;
+                match signal_meaning(*signal) {
+                    Some(meaning) => write!(f, " ({meaning})"),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// What a node author reads a signal as; the name alone means little to most.
+fn signal_meaning(signal: Signal) -> Option<&'static str> {
+    Some(match signal {
+        Signal::SIGSEGV => "segmentation fault",
+        Signal::SIGABRT => "aborted",
+        Signal::SIGBUS => "bus error",
+        Signal::SIGFPE => "arithmetic error",
+        Signal::SIGILL => "illegal instruction",
+        Signal::SIGKILL => "killed",
+        Signal::SIGTERM => "terminated",
+        _ => return None,
+    })
+}
+
+/// A reaped child: how it ended and what it used.
+#[derive(Debug, Clone, Copy)]
+pub struct Reaped {
+    pub end: ChildEnd,
+    pub user_time: Duration,
+    pub system_time: Duration,
+    /// Peak resident set size, in KiB.
+    pub max_rss_kib: i64,
+}
+
+/// Reaps `pid`, blocking until it has exited. Retries on EINTR.
+pub fn reap(pid: Pid) -> io::Result<Reaped> {
+    let mut status: libc::c_int = 0;
+    // SAFETY: rusage is plain data the kernel fills in; zeroed is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: pointers to live locals; wait4 writes only through them.
+        let done = unsafe { libc::wait4(pid.as_raw(), &mut status, 0, &mut usage) };
+        if done == pid.as_raw() {
+            break;
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+    let time = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
+    Ok(Reaped {
+        end: ChildEnd::from_wait_status(status),
+        user_time: time(usage.ru_utime),
+        system_time: time(usage.ru_stime),
+        max_rss_kib: usage.ru_maxrss,
+    })
+}
+
+/// Whether `pid` has exited, without reaping it: the zombie keeps its pid,
+/// so its process group can still be signalled safely.
+pub fn has_exited(pid: Pid) -> bool {
+    // SAFETY: siginfo_t is plain data; zeroed is valid and waitid fills it in.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: a pointer to a live local.
+    let done = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid.as_raw() as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // SAFETY: waitid succeeded, so si_pid is initialised (0 when nothing changed).
+    done == 0 && unsafe { info.si_pid() } == pid.as_raw()
+}
+
+/// Signals every process in the group `leader` leads, and `leader` itself:
+/// a child forked a moment ago may not have called `setsid` yet, and its
+/// group does not exist until it has. Gone already is fine.
+pub fn kill_group(leader: Pid, signal: Signal) {
+    let _ = nix::sys::signal::killpg(leader, signal);
+    let _ = nix::sys::signal::kill(leader, signal);
+}
+
+/// Readable once a child has exited: a pidfd, where the kernel has them.
+pub struct ExitWatch {
+    fd: Option<OwnedFd>,
+}
+
+impl ExitWatch {
+    /// Kernels before 5.3 have no pidfd; the watch is then empty and callers
+    /// fall back to asking [`has_exited`] on a short poll timeout.
+    pub fn new(pid: Pid) -> ExitWatch {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+        let fd = (fd >= 0).then(|| {
+            // SAFETY: the kernel just returned this fd to us; nobody else owns it.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            set_cloexec(fd.as_fd());
+            fd
+        });
+        ExitWatch { fd }
+    }
+
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|fd| fd.as_fd())
+    }
+}
+
+/// Marks an fd close-on-exec, so a node's `subprocess` never inherits it.
+pub fn set_cloexec(fd: BorrowedFd<'_>) {
+    // SAFETY: fcntl on a valid fd; F_SETFD only changes its flags.
+    unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_and_signal_read_as_a_node_author_would() {
+        assert_eq!(ChildEnd::Exited(3).to_string(), "exited with code 3");
+        assert_eq!(
+            ChildEnd::Signaled(Signal::SIGSEGV).to_string(),
+            "was killed by SIGSEGV (segmentation fault)"
+        );
+        assert_eq!(
+            ChildEnd::Signaled(Signal::SIGUSR1).to_string(),
+            "was killed by SIGUSR1"
+        );
+    }
+}

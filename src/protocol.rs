@@ -1,0 +1,372 @@
+//! Wire types of the worker contract (PROTOCOL.md, section 1).
+//!
+//! A request is read in Rust only as far as the zygote needs it: which op,
+//! which node, which source. `id` and `kwargs` stay as the JSON text they
+//! arrived as and are decoded by Python's own `json` in the call's child, so
+//! a big int, a `-0.0` or a lone surrogate means there exactly what it meant
+//! to `worker_main.py`.
+//!
+//! Replies are mostly written by the child (see `zygote::child`); the few the
+//! zygote writes itself are built here: a refused line, a call whose process
+//! ended without a reply, a compile of a source already loaded.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use serde_json::value::RawValue;
+
+use crate::process::ChildEnd;
+
+/// What the request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Compile,
+    Run,
+}
+
+/// One request line, parsed as far as the zygote reads it.
+#[derive(Debug)]
+pub struct Request {
+    pub op: Op,
+    /// The `id` as it arrived (`null` when absent), echoed untouched.
+    pub id: Box<RawValue>,
+    /// `""` when absent or falsy, as `str(request.get("call_id") or "")`.
+    pub call_id: String,
+    pub flow: String,
+    pub node: String,
+    pub source: String,
+    /// `compile` only: false = check that it compiles, cache nothing.
+    pub keep: bool,
+    /// The keyword arguments as JSON text, decoded in the child.
+    pub kwargs: Option<Box<RawValue>>,
+    /// Agent protocol only: environment for this call's process.
+    pub env: Vec<(String, String)>,
+}
+
+/// A line that cannot be served: answered with a `ProtocolError` reply.
+#[derive(Debug)]
+pub struct ProtocolError {
+    /// The request's `id`, when the line was an object that had one.
+    pub id: Option<Box<RawValue>>,
+    pub call_id: String,
+    pub message: String,
+}
+
+impl ProtocolError {
+    fn new(message: impl Into<String>) -> ProtocolError {
+        ProtocolError {
+            id: None,
+            call_id: String::new(),
+            message: message.into(),
+        }
+    }
+
+    /// A line over the size limit, skipped unread.
+    pub fn too_long(size: usize, limit: usize) -> ProtocolError {
+        ProtocolError::new(format!(
+            "the request is {} MiB, over the limit of {} MiB (--max-request-mb): \
+             pass large data as an artifact and send its reference instead",
+            size.div_ceil(1 << 20),
+            limit >> 20
+        ))
+    }
+
+    pub fn reply(&self) -> Vec<u8> {
+        let id: &RawValue = match &self.id {
+            Some(id) => id,
+            None => null(),
+        };
+        failure_reply(id, &self.call_id, "ProtocolError", &self.message, "")
+    }
+}
+
+/// What the reference treats as false: `null`, `false`, `0`, `""`, `[]`, `{}`.
+fn is_falsy(raw: &RawValue) -> bool {
+    match serde_json::from_str::<serde_json::Value>(raw.get()) {
+        Ok(serde_json::Value::Null) => true,
+        Ok(serde_json::Value::Bool(b)) => !b,
+        Ok(serde_json::Value::Number(n)) => n.as_f64() == Some(0.0),
+        Ok(serde_json::Value::String(s)) => s.is_empty(),
+        Ok(serde_json::Value::Array(a)) => a.is_empty(),
+        Ok(serde_json::Value::Object(o)) => o.is_empty(),
+        Err(_) => false,
+    }
+}
+
+/// A JSON value as Python's `str()` would show the decoded value, for the
+/// scalars a `call_id` is in practice (`true` reads `True`).
+fn python_str(raw: &RawValue) -> String {
+    match serde_json::from_str::<serde_json::Value>(raw.get()) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(serde_json::Value::Bool(true)) => "True".into(),
+        _ => raw.get().to_string(),
+    }
+}
+
+fn null() -> &'static RawValue {
+    serde_json::from_str("null").expect("null is JSON")
+}
+
+/// Parses one request line. Empty lines never reach here (they are skipped).
+pub fn parse_request(line: &[u8]) -> Result<Request, ProtocolError> {
+    let text = std::str::from_utf8(line).map_err(|e| {
+        ProtocolError::new(format!(
+            "the request is not UTF-8 (invalid byte at offset {}): send one JSON object per line",
+            e.valid_up_to()
+        ))
+    })?;
+    let value: Box<RawValue> = serde_json::from_str(text).map_err(|e| {
+        ProtocolError::new(format!(
+            "the request is not JSON ({e}): send one JSON object per line"
+        ))
+    })?;
+    let fields: BTreeMap<Cow<'_, str>, &RawValue> =
+        serde_json::from_str(value.get()).map_err(|_| {
+            ProtocolError::new(format!(
+                "the request must be a JSON object, not {}",
+                json_kind(value.get())
+            ))
+        })?;
+
+    let id = fields.get("id").map(|raw| (*raw).to_owned());
+    let call_id = match fields.get("call_id") {
+        Some(raw) if !is_falsy(raw) => python_str(raw),
+        _ => String::new(),
+    };
+    let refuse = |message: String| ProtocolError {
+        id: id.clone(),
+        call_id: call_id.clone(),
+        message,
+    };
+
+    let op = match fields.get("op").map(|raw| raw.get()) {
+        Some(r#""compile""#) => Op::Compile,
+        Some(r#""run""#) => Op::Run,
+        Some(other) => {
+            return Err(refuse(format!(
+                "unknown op {other}: send \"compile\" or \"run\""
+            )));
+        }
+        None => {
+            return Err(refuse(
+                "the request has no \"op\": send \"compile\" or \"run\"".into(),
+            ));
+        }
+    };
+    let string = |name: &str, required: bool| -> Result<String, ProtocolError> {
+        match fields.get(name) {
+            None if required => Err(refuse(format!("the request has no \"{name}\""))),
+            None => Ok(String::new()),
+            Some(raw) if raw.get() == "null" && !required => Ok(String::new()),
+            Some(raw) => serde_json::from_str::<String>(raw.get()).map_err(|_| {
+                refuse(format!(
+                    "\"{name}\" must be a string, not {}",
+                    json_kind(raw.get())
+                ))
+            }),
+        }
+    };
+    let flow = string("flow", true)?;
+    let node = string("node", true)?;
+    let source = string("source", false)?;
+    let keep = fields.get("keep").is_none_or(|raw| !is_falsy(raw));
+    let kwargs = fields
+        .get("kwargs")
+        .filter(|raw| raw.get() != "null")
+        .map(|raw| (*raw).to_owned());
+    let env = match fields.get("env") {
+        None => Vec::new(),
+        Some(raw) if raw.get() == "null" => Vec::new(),
+        Some(raw) => parse_env(raw).map_err(refuse)?,
+    };
+    Ok(Request {
+        op,
+        id: id.unwrap_or_else(|| null().to_owned()),
+        call_id,
+        flow,
+        node,
+        source,
+        keep,
+        kwargs,
+        env,
+    })
+}
+
+/// `env` values are taken as strings, as agent.py's `str(v)` does.
+fn parse_env(raw: &RawValue) -> Result<Vec<(String, String)>, String> {
+    let map: BTreeMap<String, serde_json::Value> = serde_json::from_str(raw.get())
+        .map_err(|_| format!("\"env\" must be an object, not {}", json_kind(raw.get())))?;
+    Ok(map
+        .into_iter()
+        .map(|(key, value)| {
+            let value = match value {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            (key, value)
+        })
+        .collect())
+}
+
+/// "an array", "a number", … for messages about the wrong kind of value.
+fn json_kind(text: &str) -> &'static str {
+    match text.trim_start().as_bytes().first() {
+        Some(b'[') => "an array",
+        Some(b'{') => "an object",
+        Some(b'"') => "a string",
+        Some(b't' | b'f') => "a boolean",
+        Some(b'n') => "null",
+        _ => "a number",
+    }
+}
+
+#[derive(Serialize)]
+struct Failure<'a> {
+    id: &'a RawValue,
+    call_id: &'a str,
+    ok: bool,
+    error: ErrorBody<'a>,
+    logs: &'a str,
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    message: &'a str,
+    short: String,
+    traceback: &'a str,
+}
+
+/// `{"id", "call_id", "ok": false, "error": {...}, "logs"}` with `short` as
+/// `"{type}: {message}"` and no traceback: an error no node frame raised.
+pub fn failure_reply(
+    id: &RawValue,
+    call_id: &str,
+    kind: &str,
+    message: &str,
+    logs: &str,
+) -> Vec<u8> {
+    let reply = Failure {
+        id,
+        call_id,
+        ok: false,
+        error: ErrorBody {
+            kind,
+            message,
+            short: format!("{kind}: {message}"),
+            traceback: "",
+        },
+        logs,
+    };
+    let mut line = serde_json::to_vec(&reply).expect("a reply of strings serialises");
+    line.push(b'\n');
+    line
+}
+
+/// The type a reply carries when the call's process ended without one. The
+/// pool re-raises it under this name, as it does agent.py's own.
+pub const ENDED_WITHOUT_REPLY: &str = "RemoteError";
+
+/// The reply for a call whose process ended before it could answer.
+pub fn ended_without_reply(id: &RawValue, call_id: &str, end: ChildEnd, logs: &str) -> Vec<u8> {
+    let message = format!("the node process {end} before it replied");
+    failure_reply(id, call_id, ENDED_WITHOUT_REPLY, &message, logs)
+}
+
+#[derive(Serialize)]
+struct Compiled<'a> {
+    id: &'a RawValue,
+    call_id: &'a str,
+    result: (),
+    ok: bool,
+    logs: &'a str,
+}
+
+/// `compile` of a source already loaded: nothing runs, so nothing is logged.
+pub fn compiled_reply(id: &RawValue, call_id: &str) -> Vec<u8> {
+    let reply = Compiled {
+        id,
+        call_id,
+        result: (),
+        ok: true,
+        logs: "",
+    };
+    let mut line = serde_json::to_vec(&reply).expect("a reply of strings serialises");
+    line.push(b'\n');
+    line
+}
+
+/// Whether a line the child wrote is an event rather than the reply. The
+/// child is the only writer on its pipe and writes every event as a dict
+/// whose first key is `event`, so the prefix decides without parsing a
+/// payload that may be megabytes long.
+pub fn is_event(line: &[u8]) -> bool {
+    line.starts_with(br#"{"event": "#)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Request, ProtocolError> {
+        parse_request(text.as_bytes())
+    }
+
+    #[test]
+    fn a_run_request_keeps_id_and_kwargs_as_sent() {
+        let r = parse(r#"{"op":"run","id":12345678901234567890123,"flow":"f","node":"n","source":"x","kwargs":{"a":-0.0}}"#).unwrap();
+        assert_eq!(r.op, Op::Run);
+        assert_eq!(r.id.get(), "12345678901234567890123");
+        assert_eq!(r.kwargs.unwrap().get(), r#"{"a":-0.0}"#);
+        assert!(r.keep);
+        assert_eq!(r.call_id, "");
+    }
+
+    #[test]
+    fn falsy_keep_and_call_id_read_as_the_reference_reads_them() {
+        let r = parse(r#"{"op":"compile","flow":"f","node":"n","keep":0,"call_id":0}"#).unwrap();
+        assert!(!r.keep);
+        assert_eq!(r.call_id, "");
+        let r = parse(r#"{"op":"compile","flow":"f","node":"n","keep":null,"call_id":7}"#).unwrap();
+        assert!(!r.keep);
+        assert_eq!(r.call_id, "7");
+    }
+
+    #[test]
+    fn bad_lines_are_refused_with_the_id_echoed_where_there_is_one() {
+        let e = parse("{not json").unwrap_err();
+        assert!(e.message.contains("not JSON"), "{}", e.message);
+        assert!(e.id.is_none());
+        let e = parse("[1,2]").unwrap_err();
+        assert!(e.message.contains("not an array"), "{}", e.message);
+        let e = parse(r#"{"id":5,"op":"explode","flow":"f","node":"n"}"#).unwrap_err();
+        assert_eq!(e.id.unwrap().get(), "5");
+        assert!(
+            e.message.contains(r#"unknown op "explode""#),
+            "{}",
+            e.message
+        );
+        let e = parse(r#"{"id":"x","op":"run","node":"n"}"#).unwrap_err();
+        assert!(e.message.contains(r#"no "flow""#), "{}", e.message);
+        let e = parse_request(b"{\"op\":\"run\xff\"}").unwrap_err();
+        assert!(e.message.contains("not UTF-8"), "{}", e.message);
+    }
+
+    #[test]
+    fn refusal_reply_has_the_contract_shape() {
+        let e = parse(r#"{"id":[1],"op":"run"}"#).unwrap_err();
+        let reply: serde_json::Value = serde_json::from_slice(&e.reply()).unwrap();
+        assert_eq!(reply["id"], serde_json::json!([1]));
+        assert_eq!(reply["ok"], false);
+        assert_eq!(reply["error"]["type"], "ProtocolError");
+        assert!(
+            reply["error"]["short"]
+                .as_str()
+                .unwrap()
+                .starts_with("ProtocolError: ")
+        );
+        assert_eq!(reply["logs"], "");
+    }
+}

@@ -1,0 +1,319 @@
+//! A call's logs: what its node wrote to `sys.stdout` and `sys.stderr`.
+//!
+//! The issues this solves:
+//! 1. The contract keeps the first 16 KiB (16,384 characters) of a call's
+//!    output and quietly drops the rest, as `worker_main.py`'s `_Capped`.
+//! 2. A node that prints and then segfaults should not take its prints with
+//!    it: they are what says how far it got. So the capture does not live in
+//!    the child's heap but in a [`LogBuffer`], a small shared mapping the
+//!    zygote made before forking, which it reads after the child is gone.
+//! 3. A `str` may hold lone surrogates, which UTF-8 cannot; they are stored
+//!    as `surrogatepass` bytes and decoded the same way, so the logs that
+//!    reach `json.dumps` are the very string the node printed.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyString};
+
+/// Enough of a print to debug with. A node printing in a loop must not fill
+/// the pipe or the reply. Characters, as `worker_main.py` counts them.
+pub const MAX_LOG_CHARS: usize = 16 * 1024;
+/// Room for the worst case: every kept character four bytes long.
+const DATA_BYTES: usize = MAX_LOG_CHARS * 4;
+
+#[repr(C)]
+struct Header {
+    /// Bytes of data written so far.
+    bytes: usize,
+    /// Characters they encode, to enforce the cap in the contract's unit.
+    chars: usize,
+}
+
+const MAPPING_BYTES: usize = std::mem::size_of::<Header>() + DATA_BYTES;
+
+/// A capture that outlives the process writing it: anonymous shared memory.
+pub struct LogBuffer {
+    base: NonNull<Header>,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; writers in other
+// processes only ever see their own copy-free view of it, and within one
+// process every write happens under the GIL.
+unsafe impl Send for LogBuffer {}
+unsafe impl Sync for LogBuffer {}
+
+impl LogBuffer {
+    pub fn new() -> std::io::Result<LogBuffer> {
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                MAPPING_BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let base = NonNull::new(base.cast::<Header>()).expect("mmap never returns null");
+        Ok(LogBuffer { base })
+    }
+
+    fn header(&self) -> &mut Header {
+        // SAFETY: the mapping starts with a Header and lives as long as self;
+        // callers hold the GIL or own the buffer exclusively.
+        unsafe { &mut *self.base.as_ptr() }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: the data area follows the header inside the mapping.
+        unsafe { self.base.as_ptr().add(1).cast::<u8>() }
+    }
+
+    pub fn clear(&self) {
+        let header = self.header();
+        header.bytes = 0;
+        header.chars = 0;
+    }
+
+    /// Makes this buffer hold what `other` holds (a trial's output, which a
+    /// run's logs start with).
+    pub fn copy_from(&self, other: &LogBuffer) {
+        self.clear();
+        let chars = other.header().chars;
+        self.append(other.bytes(), chars);
+    }
+
+    /// The stored bytes (UTF-8, with surrogates as `surrogatepass` writes them).
+    pub fn bytes(&self) -> &[u8] {
+        let len = self.header().bytes.min(DATA_BYTES);
+        // SAFETY: `len` bytes of the data area were written by `append`.
+        unsafe { std::slice::from_raw_parts(self.data(), len) }
+    }
+
+    /// The logs, for a reply the zygote writes itself.
+    pub fn text_lossy(&self) -> String {
+        String::from_utf8_lossy(self.bytes()).into_owned()
+    }
+
+    /// Characters that can still be kept.
+    fn room(&self) -> usize {
+        MAX_LOG_CHARS.saturating_sub(self.header().chars)
+    }
+
+    fn append(&self, bytes: &[u8], chars: usize) {
+        let header = self.header();
+        let len = bytes.len().min(DATA_BYTES - header.bytes);
+        // SAFETY: the copy stays inside the data area (len is clamped above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(header.bytes), len);
+        }
+        header.bytes += len;
+        header.chars += chars;
+    }
+
+    /// Makes this the buffer every [`LogCapture`] in this process writes to.
+    pub fn capture_here(&self) {
+        TARGET.store(self.base.as_ptr(), Ordering::SeqCst);
+    }
+}
+
+impl Drop for LogBuffer {
+    fn drop(&mut self) {
+        let _ = TARGET.compare_exchange(
+            self.base.as_ptr(),
+            std::ptr::null_mut(),
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+        // SAFETY: the mapping was made in `new` with this size.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), MAPPING_BYTES) };
+    }
+}
+
+/// Where captures in this process write now; null drops what they get.
+static TARGET: AtomicPtr<Header> = AtomicPtr::new(std::ptr::null_mut());
+
+fn target() -> Option<LogBuffer> {
+    NonNull::new(TARGET.load(Ordering::SeqCst)).map(|base| LogBuffer { base })
+}
+
+/// Runs `f` with the current target, never unmapping it (it is borrowed).
+fn with_target<R>(f: impl FnOnce(&LogBuffer) -> R) -> Option<R> {
+    let buffer = std::mem::ManuallyDrop::new(target()?);
+    Some(f(&buffer))
+}
+
+/// What the current capture holds, as the `str` that was written: read
+/// from the buffer itself, so a node that replaced `sys.stdout` still has
+/// what it printed before.
+pub fn current_logs(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let bytes = with_target(|buffer| buffer.bytes().to_vec()).unwrap_or_default();
+    decode(py, &bytes)
+}
+
+/// What the current capture holds, for a reply written without Python.
+pub fn current_text() -> String {
+    with_target(|buffer| buffer.text_lossy()).unwrap_or_default()
+}
+
+/// Stops capturing in this process: writes are dropped until the next
+/// [`LogBuffer::capture_here`].
+pub fn drop_writes() {
+    TARGET.store(std::ptr::null_mut(), Ordering::SeqCst);
+}
+
+/// `sys.stdout` and `sys.stderr` during a call: a text stream into the
+/// current [`LogBuffer`], first [`MAX_LOG_CHARS`] characters kept.
+#[pyclass(module = "fluksio", frozen)]
+pub struct LogCapture;
+
+#[pymethods]
+impl LogCapture {
+    /// Keeps what fits and, as `io.StringIO`, answers the whole length.
+    fn write(&self, text: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let text = text.cast::<PyString>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "string argument expected, got '{}'",
+                text.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
+        })?;
+        let chars = text.len()?;
+        with_target(|buffer| -> PyResult<()> {
+            let room = buffer.room();
+            if room == 0 {
+                return Ok(());
+            }
+            let kept = chars.min(room);
+            let part = if kept < chars {
+                substring(text, kept)?
+            } else {
+                text.clone()
+            };
+            match part.to_str() {
+                Ok(utf8) => buffer.append(utf8.as_bytes(), kept),
+                Err(_) => {
+                    let encoded = part.call_method1("encode", ("utf-8", "surrogatepass"))?;
+                    buffer.append(encoded.cast::<PyBytes>()?.as_bytes(), kept);
+                }
+            }
+            Ok(())
+        })
+        .transpose()?;
+        Ok(chars)
+    }
+
+    fn writelines(&self, lines: &Bound<'_, PyAny>) -> PyResult<()> {
+        for line in lines.try_iter()? {
+            self.write(&line?)?;
+        }
+        Ok(())
+    }
+
+    /// Everything kept so far.
+    fn getvalue<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let bytes = with_target(|buffer| buffer.bytes().to_vec()).unwrap_or_default();
+        decode(py, &bytes)
+    }
+
+    fn flush(&self) {}
+
+    fn isatty(&self) -> bool {
+        false
+    }
+
+    fn writable(&self) -> bool {
+        true
+    }
+
+    fn readable(&self) -> bool {
+        false
+    }
+
+    fn seekable(&self) -> bool {
+        false
+    }
+
+    fn fileno(&self, py: Python<'_>) -> PyResult<i32> {
+        // io.UnsupportedOperation, as a StringIO raises: faulthandler and
+        // friends catch exactly that.
+        let unsupported = py.import("io")?.getattr("UnsupportedOperation")?;
+        Err(PyErr::from_value(unsupported.call1(("fileno",))?))
+    }
+
+    fn close(&self) {}
+
+    #[getter]
+    fn closed(&self) -> bool {
+        false
+    }
+
+    #[getter]
+    fn encoding(&self) -> &'static str {
+        "utf-8"
+    }
+
+    #[getter]
+    fn errors(&self) -> &'static str {
+        "strict"
+    }
+
+    #[getter]
+    fn line_buffering(&self) -> bool {
+        false
+    }
+
+    #[getter]
+    fn newlines(&self) -> Option<()> {
+        None
+    }
+
+    fn __repr__(&self) -> &'static str {
+        "<fluksio log capture>"
+    }
+}
+
+/// The first `chars` characters of `text`.
+fn substring<'py>(text: &Bound<'py, PyString>, chars: usize) -> PyResult<Bound<'py, PyString>> {
+    // SAFETY: PyUnicode_Substring returns a new reference or NULL with an
+    // exception set, which from_owned_ptr_or_err turns into the error.
+    unsafe {
+        let ptr = pyo3::ffi::PyUnicode_Substring(text.as_ptr(), 0, chars as pyo3::ffi::Py_ssize_t);
+        Ok(Bound::from_owned_ptr_or_err(text.py(), ptr)?.cast_into_unchecked())
+    }
+}
+
+/// Bytes the capture stored, back into the `str` that was written.
+pub fn decode<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => Ok(PyString::new(py, text).into_any()),
+        Err(_) => PyBytes::new(py, bytes).call_method1("decode", ("utf-8", "surrogatepass")),
+    }
+}
+
+/// Points `sys.stdout` and `sys.stderr` at a capture, and registers the
+/// capture as a text stream for code that checks `isinstance`.
+pub fn redirect_stdio(py: Python<'_>) -> PyResult<()> {
+    let capture = Bound::new(py, LogCapture)?;
+    let sys = py.import("sys")?;
+    sys.setattr("stdout", &capture)?;
+    sys.setattr("stderr", &capture)?;
+    Ok(())
+}
+
+/// Makes `LogCapture` an `io.TextIOBase` for `isinstance` checks.
+pub fn register_as_text_stream(py: Python<'_>) -> PyResult<()> {
+    py.import("io")?
+        .getattr("TextIOBase")?
+        .call_method1("register", (py.get_type::<LogCapture>(),))?;
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! The line channel from a call's child back to whoever reads the call:
+//! events while it runs, then exactly one reply.
+//!
+//! A child writes on a pipe of its own, never on fd 1, which points at
+//! stderr so that a stray `os.write(1, …)` from a node or a native library
+//! lands in the log rather than in the protocol. Each line is encoded by
+//! CPython's own `json.dumps`, so floats, big ints and non-string keys come
+//! out as `worker_main.py` wrote them.
+
+use std::os::fd::RawFd;
+use std::sync::{Mutex, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyString};
+
+/// This process's channel: set once in a call's child, absent in the zygote
+/// (where a node's module-level `emit` during loading goes nowhere: the
+/// child that checked the load already sent it).
+static CHANNEL: OnceLock<Channel> = OnceLock::new();
+
+/// Held while one line is written, so lines from a node's threads never
+/// interleave. Taken without the GIL: a writer blocked on a full pipe must
+/// not stop the other threads.
+static WRITING: Mutex<()> = Mutex::new(());
+
+struct Channel {
+    fd: RawFd,
+    call_id: String,
+}
+
+/// Opens the channel for this child's call.
+pub fn open(fd: RawFd, call_id: &str) {
+    let _ = CHANNEL.set(Channel {
+        fd,
+        call_id: call_id.to_string(),
+    });
+}
+
+/// The message a NaN or an infinity gets, wherever a node sends one.
+pub fn not_finite(what: &str) -> String {
+    format!(
+        "{what} a NaN or an infinity, which JSON cannot carry — publish None, \
+         or a number that says the measurement had nothing in it."
+    )
+}
+
+/// `json.dumps(value)` or, with `allow_nan` false, the strict form.
+pub fn dumps<'py>(value: &Bound<'py, PyAny>, allow_nan: bool) -> PyResult<Bound<'py, PyString>> {
+    static DUMPS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let py = value.py();
+    let dumps = DUMPS.import(py, "json", "dumps")?;
+    let text = if allow_nan {
+        dumps.call1((value,))?
+    } else {
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(pyo3::intern!(py, "allow_nan"), false)?;
+        dumps.call((value,), Some(&kwargs))?
+    };
+    Ok(text.cast_into::<PyString>()?)
+}
+
+/// `json.loads(text)`.
+pub fn loads<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
+    static LOADS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    LOADS.import(py, "json", "loads")?.call1((text,))
+}
+
+/// Sends `{"event": kind, "outputs": outputs, "call_id", "ts"}`.
+///
+/// A value JSON cannot carry raises here, in the node's own frame for
+/// `emit`: a NaN as a `ValueError` that says what to publish instead.
+pub fn send_event(kind: &str, outputs: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
+    let py = outputs.py();
+    let Some(channel) = CHANNEL.get() else {
+        return Ok(());
+    };
+    let event = PyDict::new(py);
+    event.set_item(pyo3::intern!(py, "event"), kind)?;
+    event.set_item(pyo3::intern!(py, "outputs"), outputs)?;
+    event.set_item(pyo3::intern!(py, "call_id"), &channel.call_id)?;
+    event.set_item(pyo3::intern!(py, "ts"), unix_time())?;
+    let line = match dumps(event.as_any(), false) {
+        Ok(line) => line,
+        Err(error) if error.is_instance_of::<PyValueError>(py) => {
+            // The strict encoder refuses a NaN and a cycle alike; only the
+            // NaN encodes once NaN is allowed.
+            if dumps(event.as_any(), true).is_ok() {
+                return Err(PyValueError::new_err(not_finite(what)));
+            }
+            return Err(error);
+        }
+        Err(error) => return Err(error),
+    };
+    let bytes = line.to_str()?.as_bytes();
+    py.detach(|| write_line(channel.fd, bytes))?;
+    Ok(())
+}
+
+/// Sends the reply, the last line of the call.
+pub fn send_reply(py: Python<'_>, line: &str) -> std::io::Result<()> {
+    match CHANNEL.get() {
+        Some(channel) => py.detach(|| write_line(channel.fd, line.as_bytes())),
+        None => Ok(()),
+    }
+}
+
+fn unix_time() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Writes `line` and a newline, whole: partial writes and EINTR retried.
+fn write_line(fd: RawFd, line: &[u8]) -> std::io::Result<()> {
+    // One write for the line and its newline: an event is usually far
+    // below PIPE_BUF, and then the reader gets it in one piece.
+    let mut whole = Vec::with_capacity(line.len() + 1);
+    whole.extend_from_slice(line);
+    whole.push(b'\n');
+    let _one_line_at_a_time = WRITING.lock().unwrap_or_else(|e| e.into_inner());
+    write_all(fd, &whole)
+}
+
+pub fn write_all(fd: RawFd, mut bytes: &[u8]) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        // SAFETY: writing from a live slice to an fd this process owns.
+        let written = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+        if written < 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(error);
+        }
+        bytes = &bytes[written as usize..];
+    }
+    Ok(())
+}

@@ -1,0 +1,630 @@
+//! What a call's child does, from the fork to `_exit`.
+//!
+//! 1. Stand by: point `sys.stdout`/`sys.stderr` at the call's log buffer,
+//!    re-enable the GC the zygote keeps off, and wait for the assignment on
+//!    the control pipe. A child is forked before its call arrives, so all
+//!    of this is off the call's clock.
+//! 2. Apply the call's environment; load the node if the zygote has not,
+//!    then call it; drain a generator, sending each yield as it comes.
+//! 3. Encode the reply exactly as `worker_main.py` does (the same
+//!    `json.dumps`, the same refusals of what JSON cannot carry), send it,
+//!    `_exit`: no atexit handlers, no flush of buffers inherited from the
+//!    zygote.
+//!
+//! `sys.exit()` is honoured as an exit: the child leaves with that code and
+//! no reply, and whoever reaps it says how it ended (`exited with code 3`).
+
+use std::io::Read;
+use std::os::fd::{FromRawFd, RawFd};
+
+use pyo3::exceptions::{PyRecursionError, PySyntaxError, PySystemExit, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString};
+use serde_json::value::RawValue;
+
+use super::capture::{self, LogBuffer};
+use super::channel;
+use super::fork;
+use super::node::{self, NodeKey};
+
+/// How a trial ended, told by its exit code once its reply is sent: the
+/// code is ours to choose there, and needs no second channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrialVerdict {
+    /// Loaded, and the zygote can fork with it loaded.
+    Loaded,
+    /// Loaded, but a thread it started does not stop at fork: load it in
+    /// each call's child instead.
+    LoadedButForkUnsafe,
+    /// The source did not load; the reply says why.
+    Failed,
+}
+
+impl TrialVerdict {
+    const LOADED: i32 = 0;
+    const FORK_UNSAFE: i32 = 118;
+    const FAILED: i32 = 119;
+
+    fn exit_code(self) -> i32 {
+        match self {
+            TrialVerdict::Loaded => Self::LOADED,
+            TrialVerdict::LoadedButForkUnsafe => Self::FORK_UNSAFE,
+            TrialVerdict::Failed => Self::FAILED,
+        }
+    }
+
+    /// The verdict of a trial that replied and then exited with `code`.
+    pub fn from_exit_code(code: i32) -> Option<TrialVerdict> {
+        match code {
+            Self::LOADED => Some(TrialVerdict::Loaded),
+            Self::FORK_UNSAFE => Some(TrialVerdict::LoadedButForkUnsafe),
+            Self::FAILED => Some(TrialVerdict::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// What the child is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// `compile` with `keep: false`: does the source load? Nothing kept.
+    Check,
+    /// Before the zygote loads a node: does it load, and can the zygote
+    /// still fork safely with it loaded? The answer is the exit code.
+    Trial,
+    /// Call the node with the assignment's keyword arguments.
+    Run,
+}
+
+/// Where the node's function comes from.
+pub enum Function<'a> {
+    /// Loaded in the zygote; every fork has it.
+    Loaded(&'a Py<PyAny>),
+    /// Loaded here. `quiet`: its output was already reported once (at
+    /// compile), so it is not captured again.
+    LoadHere { quiet: bool },
+}
+
+/// One call, as the zygote hands it to a child: sent down the child's
+/// control pipe, since a standby child is forked before its call exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    pub task: Task,
+    /// The request's `id`, as the JSON text it arrived as.
+    pub id: String,
+    pub call_id: String,
+    pub key: NodeKey,
+    pub source: String,
+    /// md5 of `source`, hex.
+    pub digest: String,
+    /// `Run` only: the keyword arguments as JSON text.
+    pub kwargs: Option<String>,
+    /// Environment applied before any node code runs.
+    pub env: Vec<(String, String)>,
+}
+
+impl Assignment {
+    /// Length-prefixed fields: no escaping, no second JSON parse of a
+    /// payload of megabytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let task = match self.task {
+            Task::Check => "check",
+            Task::Trial => "trial",
+            Task::Run => "run",
+        };
+        let mut fields: Vec<&str> = vec![
+            task,
+            &self.id,
+            &self.call_id,
+            &self.key.flow,
+            &self.key.node,
+            &self.source,
+            &self.digest,
+            self.kwargs.as_deref().unwrap_or(""),
+            if self.kwargs.is_some() { "1" } else { "0" },
+        ];
+        for (key, value) in &self.env {
+            fields.push(key);
+            fields.push(value);
+        }
+        let mut bytes = Vec::with_capacity(fields.iter().map(|f| f.len() + 8).sum());
+        for field in fields {
+            bytes.extend_from_slice(&(field.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(field.as_bytes());
+        }
+        bytes
+    }
+
+    pub fn decode(mut bytes: &[u8]) -> Option<Assignment> {
+        let mut fields = Vec::new();
+        while !bytes.is_empty() {
+            let (len, rest) = bytes.split_at_checked(8)?;
+            let len = u64::from_le_bytes(len.try_into().ok()?) as usize;
+            let (field, rest) = rest.split_at_checked(len)?;
+            fields.push(String::from_utf8(field.to_vec()).ok()?);
+            bytes = rest;
+        }
+        if fields.len() < 9 || fields.len() % 2 == 0 {
+            return None;
+        }
+        let mut fields = fields.into_iter();
+        let mut next = || fields.next().unwrap_or_default();
+        let task = match next().as_str() {
+            "check" => Task::Check,
+            "trial" => Task::Trial,
+            "run" => Task::Run,
+            _ => return None,
+        };
+        let (id, call_id, flow, node, source, digest) = (next(), next(), next(), next(), next(), next());
+        let kwargs = next();
+        let kwargs = (next() == "1").then_some(kwargs);
+        let mut env = Vec::new();
+        loop {
+            let key = next();
+            if key.is_empty() {
+                break;
+            }
+            env.push((key, next()));
+        }
+        Some(Assignment {
+            task,
+            id,
+            call_id,
+            key: NodeKey { flow, node },
+            source,
+            digest,
+            kwargs,
+            env,
+        })
+    }
+}
+
+/// A standby's wake-up call: an eventfd, not the control pipe itself. A
+/// pipe wakes its reader as a "sync" wake-up, which places it on the
+/// writer's CPU on the guess that the writer is about to sleep; the zygote
+/// is about to fork the next standby instead, and the call would wait for
+/// that fork to finish. An eventfd wake-up goes to an idle CPU.
+pub fn wake_up_call() -> std::io::Result<std::os::fd::OwnedFd> {
+    // SAFETY: eventfd returns a new fd or -1.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new fd the kernel just returned.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Wakes the standby holding `go`'s other copy.
+pub fn wake(go: &impl std::os::fd::AsRawFd) {
+    let one: u64 = 1;
+    // SAFETY: an 8-byte write from a live u64 to an eventfd.
+    unsafe { libc::write(go.as_raw_fd(), (&one as *const u64).cast(), 8) };
+}
+
+/// Blocks until the zygote calls; exits quietly if it never will (closed).
+pub fn wait_for_call(go: &impl std::os::fd::AsRawFd) {
+    let mut count: u64 = 0;
+    loop {
+        // SAFETY: an 8-byte read into a live u64 from an eventfd.
+        let n = unsafe { libc::read(go.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
+        if n == 8 {
+            return;
+        }
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        exit(0);
+    }
+}
+
+/// Writes `assignment` down a child's control pipe; closing it ends it.
+pub fn send_assignment(control: &impl std::os::fd::AsRawFd, assignment: &Assignment) -> std::io::Result<()> {
+    channel::write_all(control.as_raw_fd(), &assignment.encode())
+}
+
+/// A child waiting for its assignment: reads it whole (the zygote closes
+/// the pipe after writing), and exits quietly if none comes.
+pub fn receive(control: RawFd) -> Assignment {
+    let mut bytes = Vec::new();
+    // SAFETY: the control pipe's read end is this child's alone.
+    let mut file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(control) });
+    if file.read_to_end(&mut bytes).is_err() || bytes.is_empty() {
+        exit(0);
+    }
+    match Assignment::decode(&bytes) {
+        Some(assignment) => assignment,
+        None => exit(1),
+    }
+}
+
+/// Readies a standby child before its call is known: captured output, the
+/// GC, and a rehearsal of the call's own machinery, so that none of it is on
+/// the call's clock.
+///
+/// The rehearsal is for the pages: a forked child's first write to each
+/// page it shares with the zygote (a refcount is a write) copies that page,
+/// a few microseconds each. Decoding arguments, encoding a reply, calling a
+/// function touch the same pages every time; touching them here, while the
+/// child waits, takes those copies off the call. `functions` are the nodes
+/// the zygote has loaded, whose objects a call will touch too.
+pub fn stand_by<'a>(py: Python<'_>, logs: &LogBuffer, functions: impl Iterator<Item = &'a Py<PyAny>>) {
+    logs.capture_here();
+    let _ = capture::redirect_stdio(py);
+    let _ = py.import("gc").and_then(|gc| gc.call_method0("enable"));
+    let _ = rehearse(py);
+    for function in functions {
+        let function = function.bind(py);
+        for part in ["__code__", "__globals__", "__defaults__", "__kwdefaults__"] {
+            let _ = function.getattr(part);
+        }
+    }
+}
+
+fn rehearse(py: Python<'_>) -> PyResult<()> {
+    let sample = channel::loads(py, r#"{"a": [1, 2.5, "x", null, true, {"b": -1}], "c": "\u00e9"}"#)?;
+    let sample = sample.cast::<PyDict>()?;
+    channel::dumps(sample.as_any(), false)?;
+    channel::dumps(sample.as_any(), true)?;
+    py.import("builtins")?.getattr("dict")?.call((), Some(sample))?;
+    let logs = capture::current_logs(py)?;
+    encode_logs(&logs)?;
+    py.import("sys")?.getattr("stdout")?.call_method1("write", ("",))?;
+    Ok(())
+}
+
+/// Serves `call` in this (standing-by) child and exits.
+pub fn serve(
+    py: Python<'_>,
+    call: &Assignment,
+    function: Function<'_>,
+    reply_fd: RawFd,
+    logs: &LogBuffer,
+) -> ! {
+    channel::open(reply_fd, &call.call_id);
+    let outcome = apply_env(py, &call.env).and_then(|()| perform(py, call, function, logs));
+    if let Err(error) = &outcome
+        && error.is_instance_of::<PySystemExit>(py)
+    {
+        exit(system_exit_code(py, error));
+    }
+    let exit_code = match (call.task, &outcome) {
+        (Task::Trial, Ok(_)) if !fork::forks_safely(py) => {
+            TrialVerdict::LoadedButForkUnsafe.exit_code()
+        }
+        (Task::Trial, Ok(_)) => TrialVerdict::Loaded.exit_code(),
+        (Task::Trial, Err(_)) => TrialVerdict::Failed.exit_code(),
+        _ => 0,
+    };
+    let reply = encode_reply(py, call, outcome);
+    let _ = channel::send_reply(py, &reply);
+    // The reply woke its reader on this CPU (a pipe's wake-up assumes the
+    // writer sleeps next). Tearing this process down first would keep the
+    // reader off the CPU for as long as that takes; let it run first.
+    // SAFETY: sched_yield has no preconditions.
+    unsafe { libc::sched_yield() };
+    exit(exit_code)
+}
+
+fn exit(code: i32) -> ! {
+    // SAFETY: _exit ends the process at once; nothing of ours needs to run.
+    unsafe { libc::_exit(code) }
+}
+
+/// The call's environment, through `os.environ` so Python and C both see it.
+fn apply_env(py: Python<'_>, env: &[(String, String)]) -> PyResult<()> {
+    if env.is_empty() {
+        return Ok(());
+    }
+    let environ = py.import("os")?.getattr("environ")?;
+    for (key, value) in env {
+        environ.set_item(key, value)?;
+    }
+    Ok(())
+}
+
+/// Loads if needed, then runs: the part that may raise the node's error.
+fn perform<'py>(
+    py: Python<'py>,
+    call: &Assignment,
+    function: Function<'_>,
+    logs: &LogBuffer,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let function = match function {
+        Function::Loaded(function) => function.bind(py).clone(),
+        Function::LoadHere { quiet: false } => node::load(py, &call.key, &call.source, &call.digest)?,
+        Function::LoadHere { quiet: true } => {
+            let scratch = LogBuffer::new()?;
+            scratch.capture_here();
+            let loaded = node::load(py, &call.key, &call.source, &call.digest);
+            logs.capture_here();
+            drop(scratch);
+            loaded?
+        }
+    };
+    if call.task != Task::Run {
+        return Ok(None);
+    }
+    let result = call_with_kwargs(py, &function, call.kwargs.as_deref())?;
+    // SAFETY: PyGen_Check only reads the object's type.
+    if unsafe { pyo3::ffi::PyGen_Check(result.as_ptr()) } != 0 {
+        return drain(py, result).map(Some);
+    }
+    Ok(Some(result))
+}
+
+/// `function(**(kwargs or {}))`, with Python's own error for a non-mapping.
+fn call_with_kwargs<'py>(
+    py: Python<'py>,
+    function: &Bound<'py, PyAny>,
+    kwargs: Option<&str>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let decoded = match kwargs {
+        Some(text) => Some(channel::loads(py, text)?),
+        None => None,
+    };
+    let kwargs = match decoded {
+        Some(value) if value.is_truthy()? => value,
+        _ => return function.call0(),
+    };
+    let Ok(kwargs) = kwargs.cast::<PyDict>() else {
+        let qualname = function.getattr("__qualname__")?.str()?;
+        let module = function
+            .getattr("__module__")
+            .ok()
+            .and_then(|m| m.extract::<String>().ok());
+        let name = match module {
+            Some(module) if module != "builtins" => format!("{module}.{qualname}"),
+            _ => qualname.to_string(),
+        };
+        return Err(PyTypeError::new_err(format!(
+            "{name}() argument after ** must be a mapping, not {}",
+            kwargs.get_type().name()?
+        )));
+    };
+    function.call((), Some(kwargs))
+}
+
+/// Runs a generator node, sending each yield the moment it happens; what it
+/// returns is the result.
+fn drain<'py>(py: Python<'py>, generator: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    loop {
+        let mut out: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
+        // SAFETY: `generator` is a live generator (PyGen_Check), and
+        // PyIter_Send returns a new reference in `out` for NEXT and RETURN.
+        let sent =
+            unsafe { pyo3::ffi::PyIter_Send(generator.as_ptr(), pyo3::ffi::Py_None(), &mut out) };
+        match sent {
+            pyo3::ffi::PySendResult::PYGEN_NEXT => {
+                // SAFETY: a new reference, owned from here on.
+                let value = unsafe { Bound::from_owned_ptr(py, out) };
+                channel::send_event("yield", &value, "yielded")?;
+            }
+            // SAFETY: as above.
+            pyo3::ffi::PySendResult::PYGEN_RETURN => {
+                return Ok(unsafe { Bound::from_owned_ptr(py, out) });
+            }
+            pyo3::ffi::PySendResult::PYGEN_ERROR => {
+                return Err(PyErr::take(py).unwrap_or_else(|| {
+                    PyTypeError::new_err("the generator failed without an exception")
+                }));
+            }
+        }
+    }
+}
+
+/// `sys.exit(code)` as the interpreter would end: None is 0, an int is
+/// itself, anything else is printed and is 1.
+fn system_exit_code(py: Python<'_>, error: &PyErr) -> i32 {
+    let code = error.value(py).getattr("code").ok();
+    match code {
+        None => 0,
+        Some(code) if code.is_none() => 0,
+        Some(code) => match code.extract::<i64>() {
+            Ok(code) => (code & 0xff) as i32,
+            Err(_) => {
+                if let Ok(stderr) = py.import("sys").and_then(|sys| sys.getattr("stderr")) {
+                    let _ = stderr.call_method1("write", (format!("{}\n", code),));
+                }
+                1
+            }
+        },
+    }
+}
+
+/// The reply line, as `worker_main.py` encodes it.
+fn encode_reply(
+    py: Python<'_>,
+    call: &Assignment,
+    outcome: PyResult<Option<Bound<'_, PyAny>>>,
+) -> String {
+    match build_reply(py, call, outcome) {
+        Ok(reply) => reply,
+        Err(error) => {
+            // Only a broken exception (a __str__ that raises) gets here.
+            let message = format!("the reply could not be encoded: {error}");
+            let logs = capture::current_text();
+            let id = RawValue::from_string(call.id.clone()).unwrap_or_else(|_| null_id());
+            String::from_utf8_lossy(&crate::protocol::failure_reply(
+                &id,
+                &call.call_id,
+                "RuntimeError",
+                &message,
+                &logs,
+            ))
+            .trim_end()
+            .to_string()
+        }
+    }
+}
+
+fn build_reply(
+    py: Python<'_>,
+    call: &Assignment,
+    outcome: PyResult<Option<Bound<'_, PyAny>>>,
+) -> PyResult<String> {
+    let logs = capture::current_logs(py)?;
+    let result = match outcome {
+        Ok(result) => result.unwrap_or_else(|| py.None().into_bound(py)),
+        Err(error) => return error_reply(call, &describe(py, &error)?, &logs),
+    };
+    // Only the result can fail to encode (the rest are strings), so it is
+    // encoded alone, with the reference's rule: no NaN, no infinity.
+    match channel::dumps(&result, false) {
+        Ok(encoded) => Ok(format!(
+            r#"{{"id": {}, "call_id": {}, "result": {}, "ok": true, "logs": {}}}"#,
+            call.id,
+            json_string(&call.call_id),
+            encoded.to_str()?,
+            encode_logs(&logs)?
+        )),
+        Err(error)
+            if error.is_instance_of::<PyTypeError>(py)
+                || error.is_instance_of::<PyValueError>(py)
+                || error.is_instance_of::<PyRecursionError>(py) =>
+        {
+            // Encoding the reply is also the check that the node returned
+            // something JSON can carry.
+            let trouble = if channel::dumps(&result, true).is_ok() {
+                channel::not_finite("returned")
+            } else {
+                format!(
+                    "returned {}, which cannot be sent back as JSON — return numbers, \
+                     strings, booleans, lists or dicts.",
+                    result.get_type().name()?
+                )
+            };
+            let error = PyDict::new(py);
+            error.set_item("type", "ValueError")?;
+            error.set_item("message", &trouble)?;
+            error.set_item("short", format!("ValueError: {trouble}"))?;
+            error.set_item("traceback", "")?;
+            error_reply(call, &error, &logs)
+        }
+        Err(error) => Err(error),
+    }
+}
+
+fn error_reply(call: &Assignment, error: &Bound<'_, PyDict>, logs: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(format!(
+        r#"{{"id": {}, "call_id": {}, "ok": false, "error": {}, "logs": {}}}"#,
+        call.id,
+        json_string(&call.call_id),
+        channel::dumps(error.as_any(), true)?.to_str()?,
+        encode_logs(logs)?
+    ))
+}
+
+fn json_string(text: &str) -> String {
+    serde_json::to_string(text).expect("a str serialises")
+}
+
+/// The logs as JSON: Python's encoder, which carries a lone surrogate.
+fn encode_logs(logs: &Bound<'_, PyAny>) -> PyResult<String> {
+    if logs.is_truthy()? {
+        Ok(channel::dumps(logs, true)?.to_str()?.to_string())
+    } else {
+        Ok(r#""""#.to_string())
+    }
+}
+
+/// `{"type", "message", "short", "traceback"}` for a node's exception.
+///
+/// `short` is one line a node author can act on: the type, the message and
+/// the line in their own code (`<node …>` frames). The traceback starts at
+/// the node's first frame: what came before is this runtime, which the
+/// author did not write. Kept as Python strings throughout: a message may
+/// hold a lone surrogate, which `json.dumps` carries and Rust cannot.
+fn describe<'py>(py: Python<'py>, error: &PyErr) -> PyResult<Bound<'py, PyDict>> {
+    let exception = error.value(py);
+    let kind = exception.get_type().name()?.into_any();
+    let message = match exception.str() {
+        Ok(message) => message.into_any(),
+        Err(_) => PyString::new(py, "<exception str() failed>").into_any(),
+    };
+    let traceback = py.import("traceback")?;
+    let frames = traceback
+        .call_method1("extract_tb", (error.traceback(py),))?
+        .cast_into::<PyList>()?;
+    let is_node_frame = |frame: &Bound<'py, PyAny>| -> bool {
+        frame
+            .getattr("filename")
+            .and_then(|f| f.extract::<String>())
+            .is_ok_and(|f| f.starts_with("<node "))
+    };
+    let colon = PyString::new(py, ": ").into_any();
+    let short = if error.is_instance_of::<PySyntaxError>(py) {
+        // Its own message already names the compiled file, which is noise.
+        let line = PyString::new(
+            py,
+            &format!(" (line {})", exception.getattr("lineno")?.str()?),
+        );
+        join(
+            py,
+            &[
+                &kind,
+                &colon,
+                &exception.getattr("msg")?.str()?.into_any(),
+                &line.into_any(),
+            ],
+        )?
+    } else {
+        match frames.iter().filter(|f| is_node_frame(f)).last() {
+            Some(frame) => {
+                let line =
+                    PyString::new(py, &format!(" (line {})", frame.getattr("lineno")?.str()?));
+                join(py, &[&kind, &colon, &message, &line.into_any()])?
+            }
+            None => join(py, &[&kind, &colon, &message])?,
+        }
+    };
+    let start = frames.iter().position(|f| is_node_frame(&f)).unwrap_or(0);
+    let listed = traceback.call_method1("format_list", (frames.get_slice(start, frames.len()),))?;
+    let only =
+        traceback.call_method1("format_exception_only", (exception.get_type(), exception))?;
+    let header = PyString::new(py, "Traceback (most recent call last):\n").into_any();
+    let text = join(
+        py,
+        &[&header, &join_all(py, &listed)?, &join_all(py, &only)?],
+    )?;
+    let described = PyDict::new(py);
+    described.set_item("type", kind)?;
+    described.set_item("message", message)?;
+    described.set_item("short", short)?;
+    described.set_item("traceback", text)?;
+    Ok(described)
+}
+
+fn join<'py>(py: Python<'py>, parts: &[&Bound<'py, PyAny>]) -> PyResult<Bound<'py, PyAny>> {
+    join_all(py, PyList::new(py, parts)?.as_any())
+}
+
+fn join_all<'py>(py: Python<'py>, parts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    PyString::new(py, "").call_method1("join", (parts,))
+}
+
+fn null_id() -> Box<RawValue> {
+    RawValue::from_string("null".into()).expect("null is JSON")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_assignment_survives_its_wire_form() {
+        let assignment = Assignment {
+            task: Task::Run,
+            id: "[1, \"x\"]".into(),
+            call_id: "r:f.n".into(),
+            key: NodeKey { flow: "f".into(), node: "n".into() },
+            source: "def process(x):\n    return x\n".into(),
+            digest: "0123456789abcdef0123456789abcdef".into(),
+            kwargs: Some("{\"x\": \"\"}".into()),
+            env: vec![("CUDA_VISIBLE_DEVICES".into(), "1".into()), ("EMPTY".into(), "".into())],
+        };
+        assert_eq!(Assignment::decode(&assignment.encode()), Some(assignment.clone()));
+        let check = Assignment { task: Task::Check, kwargs: None, env: vec![], ..assignment };
+        assert_eq!(Assignment::decode(&check.encode()), Some(check));
+        assert_eq!(Assignment::decode(b"\x05\x00"), None);
+    }
+}

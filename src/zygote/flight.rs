@@ -1,0 +1,234 @@
+//! One call's child, from the parent's side: its pipe, its exit, its end.
+//!
+//! The parent reads the child's lines as they come (events, then one reply)
+//! and watches for its exit beside the pipe, because a forked grandchild can
+//! keep the pipe open after the child died. When the child has exited, what
+//! it wrote is drained, its session is killed (anything the node left
+//! running), and only then is it reaped, so its pid cannot have been reused
+//! by the time the group is signalled.
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::time::Instant;
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+
+use super::capture::LogBuffer;
+use super::plumbing;
+use crate::process::{self, ExitWatch, Reaped};
+use crate::protocol;
+
+/// Where a call's lines go as they are read.
+pub trait CallOutput {
+    /// An event line (`yield`, `emit`), in the order the child wrote it.
+    fn event(&mut self, line: &[u8]);
+    /// The reply: the last line of the call.
+    fn reply(&mut self, line: &[u8]);
+}
+
+/// How big a read from a child's pipe is: replies of megabytes are normal.
+const READ_CHUNK: usize = 1 << 20;
+
+/// A call's child that has been forked and not yet reaped.
+pub struct Flight {
+    pub pid: Pid,
+    pipe: Option<OwnedFd>,
+    exit: ExitWatch,
+    pending: Vec<u8>,
+    replied: bool,
+    logs: Option<LogBuffer>,
+    pub started: Instant,
+}
+
+/// A reaped call.
+pub struct Landed {
+    pub reaped: Reaped,
+    /// Whether the child sent its reply before it ended.
+    pub replied: bool,
+    pub logs: LogBuffer,
+}
+
+impl Flight {
+    pub fn new(pid: Pid, pipe: OwnedFd, logs: LogBuffer, started: Instant) -> Flight {
+        Flight {
+            pid,
+            pipe: Some(pipe),
+            exit: ExitWatch::new(pid),
+            pending: Vec::new(),
+            replied: false,
+            logs: Some(logs),
+            started,
+        }
+    }
+
+    /// What to poll for this flight's lines: its pipe, while open.
+    pub fn pipe_poll(&self) -> Option<PollFd<'_>> {
+        self.pipe
+            .as_ref()
+            .map(|pipe| PollFd::new(pipe.as_fd(), PollFlags::POLLIN))
+    }
+
+    /// What to poll for this flight's exit: its pidfd, where there is one.
+    /// Without one, poll every [`FALLBACK_POLL_MS`] and ask [`Flight::has_exited`].
+    pub fn exit_poll(&self) -> Option<PollFd<'_>> {
+        self.exit.fd().map(|fd| PollFd::new(fd, PollFlags::POLLIN))
+    }
+
+    /// Whether the child has exited (it may not be reaped yet).
+    pub fn has_exited(&self) -> bool {
+        process::has_exited(self.pid)
+    }
+
+    /// Reads what the child wrote so far and hands over every whole line.
+    /// Blocks only if nothing is there yet; call after poll said readable.
+    pub fn read(&mut self, out: &mut dyn CallOutput) {
+        let Some(fd) = self.pipe.as_ref().map(|p| p.as_raw_fd()) else {
+            return;
+        };
+        match read_into(fd, &mut self.pending) {
+            Some(0) | None => self.close_pipe(),
+            Some(_) => self.hand_over_lines(out),
+        }
+    }
+
+    /// EOF (or a broken pipe): half a line is no line at all.
+    fn close_pipe(&mut self) {
+        if let Some(pipe) = self.pipe.take() {
+            plumbing::forget(pipe.as_raw_fd());
+        }
+        self.pending.clear();
+    }
+
+    fn hand_over_lines(&mut self, out: &mut dyn CallOutput) {
+        let mut start = 0;
+        while let Some(end) = self.pending[start..].iter().position(|&b| b == b'\n') {
+            let line = &self.pending[start..start + end + 1];
+            start += end + 1;
+            if self.replied {
+                // Nothing after the reply belongs to the call.
+                continue;
+            }
+            if protocol::is_event(line) {
+                out.event(line);
+            } else {
+                self.replied = true;
+                out.reply(line);
+            }
+        }
+        self.pending.drain(..start);
+    }
+
+    /// Drains what the exited child left in its pipe, kills its session,
+    /// reaps it.
+    pub fn land(mut self, out: &mut dyn CallOutput) -> std::io::Result<Landed> {
+        if let Some(fd) = self.pipe.as_ref().map(|p| p.as_raw_fd()) {
+            // What is in the pipe now is all the child wrote; a grandchild
+            // holding the write end must not keep us waiting for more.
+            set_nonblocking(fd);
+            while !self.replied {
+                match read_into(fd, &mut self.pending) {
+                    Some(n) if n > 0 => self.hand_over_lines(out),
+                    _ => break,
+                }
+            }
+            self.close_pipe();
+        }
+        process::kill_group(self.pid, Signal::SIGKILL);
+        let reaped = process::reap(self.pid)?;
+        Ok(Landed {
+            reaped,
+            replied: self.replied,
+            logs: self.logs.take().expect("a flight lands once"),
+        })
+    }
+
+    /// Follows the call until its reply (true) or until its child exited
+    /// without one (false); either way, it is then the caller's to land.
+    pub fn follow_to_reply(&mut self, out: &mut dyn CallOutput) -> std::io::Result<bool> {
+        loop {
+            if self.replied {
+                return Ok(true);
+            }
+            let (pipe_ready, exit_ready) = {
+                let pipe = self.pipe_poll();
+                let exit = self.exit_poll();
+                let timeout = if exit.is_some() {
+                    PollTimeout::NONE
+                } else {
+                    PollTimeout::from(FALLBACK_POLL_MS)
+                };
+                let watching_pipe = pipe.is_some();
+                let mut fds: Vec<PollFd<'_>> = pipe.into_iter().chain(exit).collect();
+                match poll(&mut fds, timeout) {
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+                let pipe_ready = watching_pipe && fds.first().is_some_and(ready);
+                let exit_ready = self.exit.fd().is_some() && fds.last().is_some_and(ready);
+                (pipe_ready, exit_ready)
+            };
+            if pipe_ready {
+                self.read(out);
+            }
+            if !self.replied && (exit_ready || (self.exit.fd().is_none() && self.has_exited())) {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Gives up on a call that has replied: its session is killed now (the
+    /// child, about to exit anyway, and whatever it started); the pid, not
+    /// yet reaped, and the log buffer come back for a later reap.
+    pub fn abandon(mut self) -> (Pid, LogBuffer) {
+        process::kill_group(self.pid, Signal::SIGKILL);
+        self.close_pipe();
+        (self.pid, self.logs.take().expect("a flight lands once"))
+    }
+}
+
+/// How often a child's exit is asked about where the kernel has no pidfd.
+pub const FALLBACK_POLL_MS: u16 = 50;
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        if let Some(pipe) = &self.pipe {
+            plumbing::forget(pipe.as_raw_fd());
+        }
+    }
+}
+
+/// One read appended to `buffer`; `None` on an error other than EINTR
+/// (EAGAIN included). Reads into spare capacity: nothing is zeroed or
+/// copied twice, which matters for a reply of megabytes.
+fn read_into(fd: RawFd, buffer: &mut Vec<u8>) -> Option<usize> {
+    let want = if buffer.len() >= READ_CHUNK {
+        READ_CHUNK
+    } else {
+        64 * 1024
+    };
+    buffer.reserve(want);
+    loop {
+        let spare = buffer.spare_capacity_mut();
+        // SAFETY: reading into the vector's spare capacity, at most its
+        // length; set_len below covers only the bytes read.
+        let n = unsafe { libc::read(fd, spare.as_mut_ptr().cast(), spare.len()) };
+        if n >= 0 {
+            // SAFETY: the kernel initialised these n bytes.
+            unsafe { buffer.set_len(buffer.len() + n as usize) };
+            return Some(n as usize);
+        }
+        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return None;
+        }
+    }
+}
+
+fn set_nonblocking(fd: RawFd) {
+    // SAFETY: fcntl flag changes on an fd we own.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+}

@@ -1,0 +1,568 @@
+//! The zygote: one thread, CPython embedded, a fork per call.
+//!
+//! The issues this solves:
+//! 1. Importing torch, numpy or pandas costs seconds; forking a process
+//!    that already has them costs a millisecond. The zygote imports
+//!    `--preload` once and forks a child per call, each in its own session.
+//! 2. A node's module-level work (reading a checkpoint on the CPU) belongs
+//!    in the zygote too, so `compile` loads the node there and every later
+//!    fork starts with it loaded. Per-call state dies with its child.
+//! 3. Loading runs the node author's module-level code, which may crash,
+//!    exit, or start a thread. So it runs first in a *trial* child: a crash
+//!    costs that child; a thread that does not stop at fork keeps the node
+//!    out of the zygote (it is then loaded in each call's child). Only a
+//!    source that loaded cleanly there is loaded into the zygote, and the
+//!    zygote checks itself after every load as well (see `recovery`).
+//!
+//! The zygote never has a second thread of its own: every fork is checked
+//! by `fork::census`, at the moment of the fork.
+
+pub mod capture;
+pub mod channel;
+pub mod child;
+pub mod flight;
+pub mod fork;
+pub mod interpreter;
+pub mod node;
+pub mod plumbing;
+pub mod recovery;
+mod standby;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use nix::unistd::Pid;
+use pyo3::prelude::*;
+
+use crate::protocol::{self, Op, Request};
+use capture::LogBuffer;
+use child::{Assignment, Function, Task, TrialVerdict};
+use flight::{CallOutput, Flight, Landed};
+use interpreter::{InterpreterConfig, StartError};
+use node::NodeKey;
+
+/// How to start a zygote.
+#[derive(Debug, Clone)]
+pub struct ZygoteOptions {
+    /// The interpreter whose environment node code imports from.
+    pub python: PathBuf,
+    /// Modules imported once, before the first fork.
+    pub preload: Vec<String>,
+}
+
+/// Why a zygote did not start. Each is printed as is, and exits 2.
+#[derive(Debug)]
+pub enum StartupError {
+    Interpreter(StartError),
+    /// A `--preload` module failed to import: its own error, and the fix.
+    Preload {
+        module: String,
+        error: String,
+        python: PathBuf,
+    },
+    Python(String),
+}
+
+impl std::fmt::Display for StartupError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartupError::Interpreter(e) => e.fmt(f),
+            StartupError::Preload {
+                module,
+                error,
+                python,
+            } => write!(
+                f,
+                "could not preload {module}: {error}\nhint: install it into the environment of {} \
+                 ({} -m pip install {module}), or leave it out of --preload",
+                python.display(),
+                python.display()
+            ),
+            StartupError::Python(e) => write!(f, "the zygote could not set itself up: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for StartupError {}
+
+impl From<PyErr> for StartupError {
+    fn from(error: PyErr) -> StartupError {
+        StartupError::Python(error.to_string())
+    }
+}
+
+/// Starts CPython on this thread. Call once, first, on the thread that will
+/// fork; afterwards use `Python::attach` as usual.
+pub fn boot(options: &ZygoteOptions) -> Result<(), StartupError> {
+    fork::install_census();
+    let config = InterpreterConfig {
+        python: options.python.clone(),
+    };
+    config.check().map_err(StartupError::Interpreter)?;
+    config.initialize().map_err(StartupError::Interpreter)?;
+    // SAFETY: the interpreter was just initialised on this thread, which
+    // holds the GIL; releasing it lets pyo3's attach take it the usual way.
+    unsafe { pyo3::ffi::PyEval_SaveThread() };
+    Ok(())
+}
+
+/// Where a compiled node lives.
+enum Residence {
+    /// Loaded in the zygote: every fork has it.
+    Zygote(Py<PyAny>),
+    /// Its loading starts a thread that does not stop at fork (or it failed
+    /// to load in the zygote after a clean trial): each call's child loads it.
+    EachChild,
+}
+
+struct Compiled {
+    digest: String,
+    source: String,
+    residence: Residence,
+}
+
+/// The zygote's state between calls.
+pub struct Zygote {
+    pid: Pid,
+    python: PathBuf,
+    nodes: HashMap<NodeKey, Compiled>,
+    /// Bumped whenever `nodes` changes: a child forked before then holds
+    /// the old state, and is not used.
+    generation: u64,
+    children: standby::Children,
+    /// Set when forking became unsafe; the owner must restart the zygote.
+    needs_recovery: bool,
+}
+
+/// The zygote must re-execute itself before it serves anything else (see
+/// `recovery`).
+#[derive(Debug)]
+pub struct MustRecover {
+    /// Whether the request was answered; if not, the new zygote serves it.
+    pub answered: bool,
+}
+
+/// Why a call stopped short of landing.
+enum Stop {
+    /// Forking is unsafe: recover first.
+    Recover,
+    /// Its process could not even start; the reply saying so has been sent.
+    Answered,
+}
+
+impl Zygote {
+    /// Sets up the booted interpreter: the `fluksio` module, the preloads,
+    /// the fork baseline, the GC.
+    pub fn new(py: Python<'_>, options: &ZygoteOptions) -> Result<Zygote, StartupError> {
+        crate::fluksio::install(py)?;
+        capture::register_as_text_stream(py)?;
+        // What every call needs, imported here so no call pays for it.
+        for module in ["json", "hashlib", "traceback", "types", "gc", "logging"] {
+            py.import(module)?;
+        }
+        for module in &options.preload {
+            if let Err(error) = py.import(module.as_str()) {
+                let error = error_line(py, &error);
+                return Err(StartupError::Preload {
+                    module: module.clone(),
+                    error,
+                    python: options.python.clone(),
+                });
+            }
+        }
+        settle_baseline(py, &options.preload)?;
+        let gc = py.import("gc")?;
+        gc.call_method0("disable")?;
+        gc.call_method0("freeze")?;
+        Ok(Zygote {
+            pid: nix::unistd::getpid(),
+            python: options.python.clone(),
+            nodes: HashMap::new(),
+            generation: 0,
+            children: standby::Children::default(),
+            needs_recovery: false,
+        })
+    }
+
+    /// The interpreter node code runs on.
+    pub fn python(&self) -> &PathBuf {
+        &self.python
+    }
+
+    /// Serves one request of the worker contract: every line it produces
+    /// (events, then exactly one reply) goes to `out`.
+    pub fn serve(
+        &mut self,
+        py: Python<'_>,
+        request: &Request,
+        out: &mut dyn CallOutput,
+    ) -> Result<(), MustRecover> {
+        match self.serve_request(py, request, out) {
+            Err(Stop::Recover) => Err(MustRecover { answered: false }),
+            _ if self.needs_recovery => Err(MustRecover { answered: true }),
+            _ => Ok(()),
+        }
+    }
+
+    fn serve_request(
+        &mut self,
+        py: Python<'_>,
+        request: &Request,
+        out: &mut dyn CallOutput,
+    ) -> Result<(), Stop> {
+        let digest = match node::source_digest(py, &request.source) {
+            Ok(digest) => digest,
+            Err(error) => {
+                let message = error_line(py, &error);
+                out.reply(&protocol::failure_reply(&request.id, &request.call_id, "ValueError", &message, ""));
+                return Ok(());
+            }
+        };
+        let assignment = |task| Assignment::for_request(request, task, &digest);
+
+        if request.op == Op::Compile && !request.keep {
+            // A question about a draft, not a load: keeping it would throw
+            // away the published source later calls are served from.
+            let landed = self.call_to_end(py, &assignment(Task::Check), None, out)?;
+            self.children.recycle(landed.logs);
+            return Ok(());
+        }
+
+        let key = NodeKey {
+            flow: request.flow.clone(),
+            node: request.node.clone(),
+        };
+        let current = self.nodes.get(&key).is_some_and(|c| c.digest == digest);
+        let mut trial_logs = None;
+        if current && request.op == Op::Compile {
+            out.reply(&protocol::compiled_reply(&request.id, &request.call_id));
+            return Ok(());
+        }
+        if !current {
+            // Load it, as the reference loads an uncached node on compile and
+            // on run alike. A run keeps the trial's logs as the start of its own.
+            let mut held = HeldReply::default();
+            let landed = {
+                let mut trial_out = TrialOutput {
+                    events: &mut *out,
+                    reply: &mut held,
+                };
+                self.call_to_end(py, &assignment(Task::Trial), None, &mut trial_out)?
+            };
+            let verdict = match landed.reaped.end {
+                crate::process::ChildEnd::Exited(code) if landed.replied => {
+                    TrialVerdict::from_exit_code(code)
+                }
+                _ => None,
+            };
+            let loaded = match verdict {
+                Some(TrialVerdict::Loaded) => {
+                    self.load_into_zygote(py, &key, &request.source, &digest);
+                    true
+                }
+                Some(TrialVerdict::LoadedButForkUnsafe) => {
+                    tracing::warn!(
+                        "node {key} starts a thread while it loads that does not stop at fork; \
+                         it is loaded in each call's child instead of the zygote"
+                    );
+                    self.remember(&key, &request.source, &digest, Residence::EachChild);
+                    true
+                }
+                Some(TrialVerdict::Failed) | None => false,
+            };
+            if request.op == Op::Compile || !loaded {
+                out.reply(&held.line);
+                self.children.recycle(landed.logs);
+                return Ok(());
+            }
+            if self.needs_recovery {
+                self.children.recycle(landed.logs);
+                return Err(Stop::Recover);
+            }
+            trial_logs = Some(landed.logs);
+        }
+        self.run(py, &assignment(Task::Run), trial_logs, out)
+    }
+
+    /// A run: its lines out as they come; once it has replied, its session
+    /// is killed and it is reaped later, off the next call's clock.
+    fn run(
+        &mut self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+        out: &mut dyn CallOutput,
+    ) -> Result<(), Stop> {
+        let mut flight = self.start(py, assignment, logs_so_far, out)?;
+        match flight.follow_to_reply(out) {
+            Ok(true) => {
+                self.children.land_later(flight);
+                Ok(())
+            }
+            Ok(false) => self.finish(assignment, flight, out).map(|landed| self.children.recycle(landed.logs)),
+            Err(error) => Err(self.lost(assignment, error, out)),
+        }
+    }
+
+    /// A call followed to its exit (a trial's verdict is its exit code).
+    fn call_to_end(
+        &mut self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+        out: &mut dyn CallOutput,
+    ) -> Result<Landed, Stop> {
+        let mut flight = self.start(py, assignment, logs_so_far, out)?;
+        match flight.follow_to_reply(out) {
+            Ok(_) => self.finish(assignment, flight, out),
+            Err(error) => Err(self.lost(assignment, error, out)),
+        }
+    }
+
+    /// Starts `assignment` in a standby child; a failure to fork is answered.
+    fn start(
+        &mut self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+        out: &mut dyn CallOutput,
+    ) -> Result<Flight, Stop> {
+        match self.dispatch(py, assignment, logs_so_far) {
+            Ok(flight) => Ok(flight),
+            Err(SpawnError::Unsafe | SpawnError::NotCompiled) => Err(Stop::Recover),
+            Err(SpawnError::Io(error)) => {
+                let message = format!("could not start the node's process: {error}");
+                out.reply(&assignment.failure("RemoteError", &message));
+                Err(Stop::Answered)
+            }
+        }
+    }
+
+    /// Lands a flight and answers for it if it ended without a reply.
+    fn finish(&mut self, assignment: &Assignment, flight: Flight, out: &mut dyn CallOutput) -> Result<Landed, Stop> {
+        match flight.land(out) {
+            Ok(landed) => {
+                if !landed.replied {
+                    out.reply(&assignment.ended_without_reply(&landed));
+                }
+                Ok(landed)
+            }
+            Err(error) => Err(self.lost(assignment, error, out)),
+        }
+    }
+
+    /// Only a failed poll or wait gets here: the zygote no longer knows its
+    /// own children, and a restart is the honest fix.
+    fn lost(&mut self, assignment: &Assignment, error: std::io::Error, out: &mut dyn CallOutput) -> Stop {
+        tracing::error!("lost track of a call's process: {error}");
+        let message = format!("lost track of the node's process: {error}");
+        out.reply(&assignment.failure("RemoteError", &message));
+        self.needs_recovery = true;
+        Stop::Answered
+    }
+
+    /// Forks the child for a run of a node compiled here (by a `compile`
+    /// served before), without waiting for it: the caller follows the
+    /// flight, lands it, and hands its logs back with [`Zygote::recycle`].
+    pub fn start_run(&mut self, py: Python<'_>, request: &Request) -> Result<Flight, SpawnError> {
+        let key = NodeKey {
+            flow: request.flow.clone(),
+            node: request.node.clone(),
+        };
+        let Some(digest) = self.nodes.get(&key).map(|c| c.digest.clone()) else {
+            return Err(SpawnError::NotCompiled);
+        };
+        self.dispatch(py, &Assignment::for_request(request, Task::Run, &digest), None)
+    }
+
+    /// Takes back the log buffer of a landed call, for the next one.
+    pub fn recycle(&mut self, logs: LogBuffer) {
+        self.children.recycle(logs);
+    }
+
+    /// The functions of the nodes loaded in the zygote.
+    fn loaded_functions(&self) -> impl Iterator<Item = &Py<PyAny>> {
+        self.nodes.values().filter_map(|compiled| match &compiled.residence {
+            Residence::Zygote(function) => Some(function),
+            Residence::EachChild => None,
+        })
+    }
+
+    /// How a child resolves its node, from its copy of the zygote's table.
+    fn function_for(&self, assignment: &Assignment) -> Function<'_> {
+        if assignment.task != Task::Run {
+            return Function::LoadHere { quiet: false };
+        }
+        match self.nodes.get(&assignment.key) {
+            Some(compiled) if compiled.digest == assignment.digest => match &compiled.residence {
+                Residence::Zygote(function) => Function::Loaded(function),
+                Residence::EachChild => Function::LoadHere { quiet: true },
+            },
+            _ => Function::LoadHere { quiet: false },
+        }
+    }
+
+    /// Loads a node whose trial went cleanly into the zygote itself, then
+    /// checks the zygote can still fork safely.
+    fn load_into_zygote(&mut self, py: Python<'_>, key: &NodeKey, source: &str, digest: &str) {
+        // Its output was reported by the trial; here it goes nowhere.
+        let loaded = quietly(py, || node::load(py, key, source, digest));
+        let residence = match loaded {
+            Ok(function) => Residence::Zygote(function.unbind()),
+            Err(error) => {
+                tracing::warn!(
+                    "node {key} loaded in its trial but not in the zygote ({}); it is loaded in \
+                     each call's child instead",
+                    error_line(py, &error)
+                );
+                Residence::EachChild
+            }
+        };
+        self.remember(key, source, digest, residence);
+        if !fork::forks_safely(py) {
+            tracing::error!(
+                "loading node {key} into the zygote left a thread running that does not stop at \
+                 fork, though its trial did not; restarting the zygote with the node loaded in \
+                 each call's child instead"
+            );
+            if let Some(compiled) = self.nodes.get_mut(key) {
+                compiled.residence = Residence::EachChild;
+            }
+            self.needs_recovery = true;
+        }
+    }
+
+    fn remember(&mut self, key: &NodeKey, source: &str, digest: &str, residence: Residence) {
+        self.nodes.insert(
+            key.clone(),
+            Compiled {
+                digest: digest.to_string(),
+                source: source.to_string(),
+                residence,
+            },
+        );
+        self.generation += 1;
+    }
+
+    /// What a restarted zygote needs to carry on where this one stopped.
+    pub fn resume_nodes(&self) -> Vec<recovery::ResumeNode> {
+        self.nodes
+            .iter()
+            .map(|(key, compiled)| recovery::ResumeNode {
+                flow: key.flow.clone(),
+                node: key.node.clone(),
+                source: compiled.source.clone(),
+                in_zygote: matches!(compiled.residence, Residence::Zygote(_)),
+            })
+            .collect()
+    }
+
+    /// Takes back the nodes a previous incarnation had compiled: the ones it
+    /// had loaded are loaded again (each checked), the others stay out.
+    pub fn restore_nodes(&mut self, py: Python<'_>, nodes: Vec<recovery::ResumeNode>) {
+        for resumed in nodes {
+            let key = NodeKey {
+                flow: resumed.flow,
+                node: resumed.node,
+            };
+            let Ok(digest) = node::source_digest(py, &resumed.source) else {
+                continue;
+            };
+            if resumed.in_zygote {
+                self.load_into_zygote(py, &key, &resumed.source, &digest);
+            } else {
+                self.remember(&key, &resumed.source, &digest, Residence::EachChild);
+            }
+        }
+    }
+
+    /// Ends every child still around: the standby, and calls being reaped.
+    pub fn shutdown(&mut self) {
+        self.children.shutdown();
+    }
+}
+
+/// Learns what threads the preloads left at fork time: numpy's OpenBLAS
+/// stops its pool in a fork handler (tolerated, and gone after this fork);
+/// anything else is logged, since forking with it may hang.
+fn settle_baseline(py: Python<'_>, preload: &[String]) -> Result<(), StartupError> {
+    if fork::forks_safely(py) {
+        return Ok(());
+    }
+    let left = fork::threads_at_last_fork();
+    tracing::warn!(
+        "after preloading {}, {} threads keep running at fork; a child forked with them may hang \
+         on a lock one of them held. Tolerating them; preload less if calls hang.",
+        preload.join(","),
+        left - 1
+    );
+    fork::tolerate_at_fork(left);
+    Ok(())
+}
+
+/// Why a call could not be started.
+pub enum SpawnError {
+    /// A stray thread was running at the fork; nothing ran. Recover.
+    Unsafe,
+    Io(std::io::Error),
+    /// `start_run` of a node no `compile` loaded.
+    NotCompiled,
+}
+
+/// `gc.freeze()`: whatever the zygote allocated since stays in the
+/// permanent generation, so a child's collections never touch (and copy)
+/// the zygote's pages.
+fn freeze_gc(py: Python<'_>) {
+    if let Ok(gc) = py.import("gc") {
+        let _ = gc.call_method0("freeze");
+    }
+}
+
+/// Runs `f` with `sys.stdout`/`sys.stderr` captured into nothing.
+fn quietly<'py, R>(py: Python<'py>, f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
+    let sys = py.import("sys")?;
+    let (stdout, stderr) = (sys.getattr("stdout")?, sys.getattr("stderr")?);
+    capture::drop_writes();
+    capture::redirect_stdio(py)?;
+    let result = f();
+    sys.setattr("stdout", stdout)?;
+    sys.setattr("stderr", stderr)?;
+    result
+}
+
+/// `Type: message` of a Python error, for a log line or a refusal.
+pub fn error_line(py: Python<'_>, error: &PyErr) -> String {
+    let kind = error
+        .get_type(py)
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "Exception".into());
+    match error.value(py).str() {
+        Ok(message) if !message.to_string_lossy().is_empty() => {
+            format!("{kind}: {}", message.to_string_lossy())
+        }
+        _ => kind,
+    }
+}
+
+/// The held-back reply of a trial: a run serves its own reply after it.
+#[derive(Default)]
+struct HeldReply {
+    line: Vec<u8>,
+}
+
+/// A trial's events go out as the call's; its reply is held.
+struct TrialOutput<'a> {
+    events: &'a mut dyn CallOutput,
+    reply: &'a mut HeldReply,
+}
+
+impl CallOutput for TrialOutput<'_> {
+    fn event(&mut self, line: &[u8]) {
+        self.events.event(line);
+    }
+
+    fn reply(&mut self, line: &[u8]) {
+        self.reply.line = line.to_vec();
+    }
+}

@@ -1,0 +1,260 @@
+//! Children forked ahead of their calls, and children being reaped.
+//!
+//! The issue this solves: forking a Python process and tearing it down is
+//! most of a call's cost (the kernel copying page tables, then the child's
+//! first writes to each shared page). None of that needs the call. So the
+//! zygote keeps one *standby* child, forked from its current state and
+//! already set up (its session, its captured output, the after-fork work of
+//! CPython), blocked on a control pipe. A call is written down that pipe and
+//! starts at once; the replacement standby is forked while the call runs, on
+//! the other core. A child that has replied is killed with its session at
+//! once and reaped later, off the next call's clock.
+//!
+//! Every call still gets a child of its own, forked from the zygote's state
+//! as it is when the call starts: a standby forked before the zygote's
+//! state changed (a node loaded) is discarded, never used.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::Instant;
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use pyo3::prelude::*;
+use serde_json::value::RawValue;
+
+use super::capture::LogBuffer;
+use super::child::{self, Assignment, Task};
+use super::flight::{Flight, Landed};
+use super::{SpawnError, Zygote, fork, freeze_gc, plumbing};
+use crate::process;
+use crate::protocol::{self, Request};
+
+/// A forked child waiting for its call.
+struct Standby {
+    pid: Pid,
+    /// Write end of its control pipe: the assignment goes down it.
+    control: OwnedFd,
+    /// Read end of its line pipe: events and the reply come up it.
+    lines: OwnedFd,
+    /// Its wake-up call (see `child::wait_for_call`).
+    go: OwnedFd,
+    logs: LogBuffer,
+    /// The zygote's generation when it was forked.
+    generation: u64,
+}
+
+/// The zygote's children outside of a call being followed.
+#[derive(Default)]
+pub(super) struct Children {
+    standby: Option<Standby>,
+    /// Replied (or discarded) children, killed with their sessions, not yet
+    /// reaped; their log buffers come back once they are.
+    landing: Vec<(Pid, LogBuffer)>,
+    /// Log buffers of reaped calls, for the next ones.
+    spare_logs: Vec<LogBuffer>,
+}
+
+impl Children {
+    fn fresh_logs(&mut self) -> LogBuffer {
+        match self.spare_logs.pop() {
+            Some(logs) => {
+                logs.clear();
+                logs
+            }
+            None => LogBuffer::new().expect("a 64 KiB shared mapping"),
+        }
+    }
+
+    pub(super) fn recycle(&mut self, logs: LogBuffer) {
+        self.spare_logs.push(logs);
+    }
+
+    /// A call that has replied: its session (the child, and whatever it
+    /// started) is killed now; the child is reaped once it has exited.
+    pub(super) fn land_later(&mut self, flight: Flight) {
+        self.landing.push(flight.abandon());
+    }
+
+    /// Reaps whatever has exited, without waiting.
+    fn reap_landed(&mut self) {
+        let mut index = 0;
+        while index < self.landing.len() {
+            let pid = self.landing[index].0;
+            if process::has_exited(pid) {
+                let (_, logs) = self.landing.swap_remove(index);
+                let _ = process::reap(pid);
+                self.spare_logs.push(logs);
+            } else {
+                index += 1;
+            }
+        }
+    }
+
+    fn discard(&mut self, standby: Standby) {
+        plumbing::forget(standby.go.as_raw_fd());
+        plumbing::forget(standby.control.as_raw_fd());
+        plumbing::forget(standby.lines.as_raw_fd());
+        process::kill_group(standby.pid, Signal::SIGKILL);
+        self.landing.push((standby.pid, standby.logs));
+    }
+
+    /// Ends every child: the standby, and the calls being reaped.
+    pub(super) fn shutdown(&mut self) {
+        if let Some(standby) = self.standby.take() {
+            self.discard(standby);
+        }
+        for (pid, logs) in self.landing.drain(..) {
+            let _ = process::reap(pid);
+            self.spare_logs.push(logs);
+        }
+    }
+}
+
+impl Zygote {
+    /// Starts `assignment` in a child, the standby when it is current, and
+    /// forks the next standby while the call runs (unless the call is a
+    /// trial, after which the zygote's state changes anyway).
+    pub(super) fn dispatch(
+        &mut self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+    ) -> Result<Flight, SpawnError> {
+        self.children.reap_landed();
+        let standby = match self.children.standby.take() {
+            Some(standby) if standby.generation == self.generation => standby,
+            stale => {
+                if let Some(stale) = stale {
+                    self.children.discard(stale);
+                }
+                self.fork_standby(py)?
+            }
+        };
+        if let Some(logs_so_far) = logs_so_far {
+            standby.logs.copy_from(&logs_so_far);
+            self.children.recycle(logs_so_far);
+        }
+        let Standby {
+            pid,
+            control,
+            lines,
+            go,
+            logs,
+            ..
+        } = standby;
+        plumbing::forget(control.as_raw_fd());
+        plumbing::forget(go.as_raw_fd());
+        child::wake(&go);
+        drop(go);
+        // A child that died before reading this is reported by its flight.
+        let _ = child::send_assignment(&control, assignment);
+        drop(control);
+        let flight = Flight::new(pid, lines, logs, Instant::now());
+        if assignment.task != Task::Trial {
+            match self.fork_standby(py) {
+                Ok(next) => self.children.standby = Some(next),
+                // Recovery is flagged; this call was forked safely before.
+                Err(SpawnError::Unsafe) => {}
+                Err(error) => {
+                    if let SpawnError::Io(error) = error {
+                        tracing::warn!("could not fork a standby child: {error}");
+                    }
+                }
+            }
+        }
+        Ok(flight)
+    }
+
+    /// Forks a child from the zygote as it is now, set up and waiting.
+    fn fork_standby(&mut self, py: Python<'_>) -> Result<Standby, SpawnError> {
+        let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| SpawnError::Io(e.into()));
+        let (control_read, control_write) = pipe()?;
+        let (lines_read, lines_write) = pipe()?;
+        let go = child::wake_up_call().map_err(SpawnError::Io)?;
+        let logs = self.children.fresh_logs();
+        freeze_gc(py);
+        match fork::fork(py) {
+            Ok(fork::Forked::Child) => {
+                drop(control_write);
+                drop(lines_read);
+                plumbing::close_in_child();
+                fork::become_call_child(self.pid);
+                child::stand_by(py, &logs, self.loaded_functions());
+                child::wait_for_call(&go);
+                let assignment = child::receive(control_read.as_raw_fd());
+                drop(control_read);
+                let function = self.function_for(&assignment);
+                child::serve(py, &assignment, function, lines_write.as_raw_fd(), &logs)
+            }
+            Ok(fork::Forked::Parent { pid, safe }) => {
+                drop(control_read);
+                drop(lines_write);
+                if !safe {
+                    let _ = process::reap(pid);
+                    tracing::error!(
+                        "a thread that does not stop at fork is running in the zygote; \
+                         restarting it before serving another call"
+                    );
+                    self.needs_recovery = true;
+                    self.children.recycle(logs);
+                    return Err(SpawnError::Unsafe);
+                }
+                plumbing::claim(control_write.as_raw_fd());
+                plumbing::claim(lines_read.as_raw_fd());
+                plumbing::claim(go.as_raw_fd());
+                Ok(Standby {
+                    pid,
+                    control: control_write,
+                    lines: lines_read,
+                    go,
+                    logs,
+                    generation: self.generation,
+                })
+            }
+            Err(error) => {
+                self.children.recycle(logs);
+                Err(SpawnError::Io(error))
+            }
+        }
+    }
+}
+
+impl Assignment {
+    /// The assignment for `request`, whose source hashes to `digest`.
+    pub(super) fn for_request(request: &Request, task: Task, digest: &str) -> Assignment {
+        Assignment {
+            task,
+            id: request.id.get().to_string(),
+            call_id: request.call_id.clone(),
+            key: super::NodeKey {
+                flow: request.flow.clone(),
+                node: request.node.clone(),
+            },
+            source: request.source.clone(),
+            digest: digest.to_string(),
+            kwargs: request.kwargs.as_ref().map(|k| k.get().to_string()),
+            env: request.env.clone(),
+        }
+    }
+
+    fn raw_id(&self) -> Box<RawValue> {
+        RawValue::from_string(self.id.clone())
+            .unwrap_or_else(|_| RawValue::from_string("null".into()).expect("null is JSON"))
+    }
+
+    /// A reply the zygote writes for this call: an error no node code raised.
+    pub(super) fn failure(&self, kind: &str, message: &str) -> Vec<u8> {
+        protocol::failure_reply(&self.raw_id(), &self.call_id, kind, message, "")
+    }
+
+    /// The reply for this call when its child ended without one, with the
+    /// logs the child left in its buffer.
+    pub(super) fn ended_without_reply(&self, landed: &Landed) -> Vec<u8> {
+        protocol::ended_without_reply(
+            &self.raw_id(),
+            &self.call_id,
+            landed.reaped.end,
+            &landed.logs.text_lossy(),
+        )
+    }
+}
