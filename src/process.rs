@@ -131,6 +131,25 @@ pub fn has_exited(pid: Pid) -> bool {
     done == 0 && unsafe { info.si_pid() } == pid.as_raw()
 }
 
+/// Blocks until `pid` has exited, without reaping it (see [`has_exited`]).
+pub fn wait_exited(pid: Pid) -> io::Result<()> {
+    loop {
+        // SAFETY: siginfo_t is plain data; waitid fills it in.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: a pointer to a live local.
+        let done = unsafe {
+            libc::waitid(libc::P_PID, pid.as_raw() as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT)
+        };
+        if done == 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
+
 /// Signals every process in the group `leader` leads, and `leader` itself:
 /// a child forked a moment ago may not have called `setsid` yet, and its
 /// group does not exist until it has. Gone already is fine.
@@ -157,6 +176,11 @@ impl ExitWatch {
             fd
         });
         ExitWatch { fd }
+    }
+
+    /// A watch with nothing to watch: ask [`has_exited`] instead.
+    pub fn none() -> ExitWatch {
+        ExitWatch { fd: None }
     }
 
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {

@@ -83,7 +83,7 @@ fn serve(
     while !replies.broken {
         let line = match pending.take() {
             Some(line) => line,
-            None => match requests.next() {
+            None => match requests.next(zygote) {
                 Next::Line(line) => line,
                 Next::TooLong(size) => {
                     let refusal = protocol::ProtocolError::too_long(size, requests.max);
@@ -224,7 +224,8 @@ impl RequestReader {
         self.buffer[self.start..].to_vec()
     }
 
-    fn next(&mut self) -> Next {
+    /// The next line; while none is there, `zygote` reaps its children.
+    fn next(&mut self, zygote: &mut Zygote) -> Next {
         let mut skipped: Option<usize> = None;
         loop {
             let window = &self.buffer[self.start + self.scanned..];
@@ -257,7 +258,9 @@ impl RequestReader {
                     (None, true) => Next::Eof,
                 };
             }
-            if let Err(error) = self.fill() {
+            // SAFETY: the request fd stays open for the worker's lifetime.
+            let input = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) };
+            if let Err(error) = zygote.wait_for_input(input).and_then(|()| self.fill()) {
                 return Next::Failed(error);
             }
         }

@@ -151,8 +151,8 @@ mod tests {
     fn product_runs_first_axis_slowest() {
         let axes = [parse_axis("a=1,2").unwrap(), parse_axis("b=x,y").unwrap()];
         let base: Map<String, Value> = serde_json::from_value(json!({"c": 0, "a": 9})).unwrap();
-        let points = points(&axes, &base).unwrap();
-        let got: Vec<_> = points.iter().map(|p| (p["a"].clone(), p["b"].clone(), p["c"].clone())).collect();
+        let product = points(&axes, &base).unwrap();
+        let got: Vec<_> = product.iter().map(|p| (p["a"].clone(), p["b"].clone(), p["c"].clone())).collect();
         assert_eq!(
             got,
             vec![

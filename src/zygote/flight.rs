@@ -41,6 +41,13 @@ pub struct Flight {
     pub started: Instant,
 }
 
+/// A child killed with its session and not yet reaped.
+pub struct Landing {
+    pub pid: Pid,
+    pub exit: ExitWatch,
+    pub logs: LogBuffer,
+}
+
 /// A reaped call.
 pub struct Landed {
     pub reaped: Reaped,
@@ -119,9 +126,11 @@ impl Flight {
         self.pending.drain(..start);
     }
 
-    /// Drains what the exited child left in its pipe, kills its session,
-    /// reaps it.
+    /// Waits for the child's own exit (a trial's verdict is its exit code,
+    /// so it must not be killed first), drains what it left in its pipe,
+    /// kills its session, reaps it.
     pub fn land(mut self, out: &mut dyn CallOutput) -> std::io::Result<Landed> {
+        process::wait_exited(self.pid)?;
         if let Some(fd) = self.pipe.as_ref().map(|p| p.as_raw_fd()) {
             // What is in the pipe now is all the child wrote; a grandchild
             // holding the write end must not keep us waiting for more.
@@ -181,10 +190,14 @@ impl Flight {
     /// Gives up on a call that has replied: its session is killed now (the
     /// child, about to exit anyway, and whatever it started); the pid, not
     /// yet reaped, and the log buffer come back for a later reap.
-    pub fn abandon(mut self) -> (Pid, LogBuffer) {
+    pub fn abandon(mut self) -> Landing {
         process::kill_group(self.pid, Signal::SIGKILL);
         self.close_pipe();
-        (self.pid, self.logs.take().expect("a flight lands once"))
+        Landing {
+            pid: self.pid,
+            exit: std::mem::replace(&mut self.exit, ExitWatch::none()),
+            logs: self.logs.take().expect("a flight lands once"),
+        }
     }
 }
 

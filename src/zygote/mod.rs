@@ -157,7 +157,7 @@ impl Zygote {
         crate::fluksio::install(py)?;
         capture::register_as_text_stream(py)?;
         // What every call needs, imported here so no call pays for it.
-        for module in ["json", "hashlib", "traceback", "types", "gc", "logging"] {
+        for module in ["json", "traceback", "types", "gc", "logging"] {
             py.import(module)?;
         }
         for module in &options.preload {
@@ -210,14 +210,7 @@ impl Zygote {
         request: &Request,
         out: &mut dyn CallOutput,
     ) -> Result<(), Stop> {
-        let digest = match node::source_digest(py, &request.source) {
-            Ok(digest) => digest,
-            Err(error) => {
-                let message = error_line(py, &error);
-                out.reply(&protocol::failure_reply(&request.id, &request.call_id, "ValueError", &message, ""));
-                return Ok(());
-            }
-        };
+        let digest = node::source_digest(&request.source);
         let assignment = |task| Assignment::for_request(request, task, &digest);
 
         if request.op == Op::Compile && !request.keep {
@@ -465,9 +458,7 @@ impl Zygote {
                 flow: resumed.flow,
                 node: resumed.node,
             };
-            let Ok(digest) = node::source_digest(py, &resumed.source) else {
-                continue;
-            };
+            let digest = node::source_digest(&resumed.source);
             if resumed.in_zygote {
                 self.load_into_zygote(py, &key, &resumed.source, &digest);
             } else {
@@ -479,6 +470,11 @@ impl Zygote {
     /// Ends every child still around: the standby, and calls being reaped.
     pub fn shutdown(&mut self) {
         self.children.shutdown();
+    }
+
+    /// Blocks until `input` is readable, reaping finished children meanwhile.
+    pub fn wait_for_input(&mut self, input: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+        self.children.wait_for_input(input)
     }
 }
 

@@ -8,7 +8,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
 
 /// Which node, as the engine names it: the cache key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -23,14 +23,14 @@ impl std::fmt::Display for NodeKey {
     }
 }
 
-/// The md5 of a source, hex: what says a cached node is still current.
-/// Python's own hashlib, which the zygote has loaded anyway.
-pub fn source_digest(py: Python<'_>, source: &str) -> PyResult<String> {
-    static MD5: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    MD5.import(py, "hashlib", "md5")?
-        .call1((PyBytes::new(py, source.as_bytes()),))?
-        .call_method0("hexdigest")?
-        .extract()
+/// The md5 of a source, hex: what says a cached node is still current,
+/// and what names its module, as `hashlib.md5(source.encode())` does.
+pub fn source_digest(source: &str) -> String {
+    use md5::{Digest, Md5};
+    Md5::digest(source.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Runs `source` as the node's module and returns the function to call.
@@ -104,4 +104,16 @@ fn choose_function<'py>(module: &Bound<'py, PyAny>, name: &str) -> PyResult<Boun
         "Define a function named 'process' — this file has {} functions to choose from.",
         functions.len()
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digest_is_hashlib_md5_of_the_utf8_source() {
+        // python3 -c 'import hashlib; print(hashlib.md5("def process():\n    return \"é\"\n".encode()).hexdigest())'
+        assert_eq!(source_digest(""), "d41d8cd98f00b204e9800998ecf8427e");
+        assert_eq!(source_digest("def process():\n    return \"é\"\n"), "eb542ed7ac80455a245212d9748e9eda");
+    }
 }

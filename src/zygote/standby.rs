@@ -14,9 +14,10 @@
 //! as it is when the call starts: a standby forked before the zygote's
 //! state changed (a node loaded) is discarded, never used.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Instant;
 
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use pyo3::prelude::*;
@@ -24,9 +25,9 @@ use serde_json::value::RawValue;
 
 use super::capture::LogBuffer;
 use super::child::{self, Assignment, Task};
-use super::flight::{Flight, Landed};
+use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
 use super::{SpawnError, Zygote, fork, freeze_gc, plumbing};
-use crate::process;
+use crate::process::{self, ExitWatch};
 use crate::protocol::{self, Request};
 
 /// A forked child waiting for its call.
@@ -49,7 +50,7 @@ pub(super) struct Children {
     standby: Option<Standby>,
     /// Replied (or discarded) children, killed with their sessions, not yet
     /// reaped; their log buffers come back once they are.
-    landing: Vec<(Pid, LogBuffer)>,
+    landing: Vec<Landing>,
     /// Log buffers of reaped calls, for the next ones.
     spare_logs: Vec<LogBuffer>,
 }
@@ -79,11 +80,11 @@ impl Children {
     fn reap_landed(&mut self) {
         let mut index = 0;
         while index < self.landing.len() {
-            let pid = self.landing[index].0;
+            let pid = self.landing[index].pid;
             if process::has_exited(pid) {
-                let (_, logs) = self.landing.swap_remove(index);
+                let landing = self.landing.swap_remove(index);
                 let _ = process::reap(pid);
-                self.spare_logs.push(logs);
+                self.spare_logs.push(landing.logs);
             } else {
                 index += 1;
             }
@@ -95,7 +96,11 @@ impl Children {
         plumbing::forget(standby.control.as_raw_fd());
         plumbing::forget(standby.lines.as_raw_fd());
         process::kill_group(standby.pid, Signal::SIGKILL);
-        self.landing.push((standby.pid, standby.logs));
+        self.landing.push(Landing {
+            pid: standby.pid,
+            exit: ExitWatch::new(standby.pid),
+            logs: standby.logs,
+        });
     }
 
     /// Ends every child: the standby, and the calls being reaped.
@@ -103,9 +108,32 @@ impl Children {
         if let Some(standby) = self.standby.take() {
             self.discard(standby);
         }
-        for (pid, logs) in self.landing.drain(..) {
-            let _ = process::reap(pid);
-            self.spare_logs.push(logs);
+        for landing in self.landing.drain(..) {
+            let _ = process::reap(landing.pid);
+            self.spare_logs.push(landing.logs);
+        }
+    }
+
+    /// Waits until `input` is readable, reaping children as they exit
+    /// meanwhile: no zombie waits for the next request.
+    pub(super) fn wait_for_input(&mut self, input: BorrowedFd<'_>) -> std::io::Result<()> {
+        loop {
+            self.reap_landed();
+            let watched = self.landing.iter().filter(|l| l.exit.fd().is_some()).count();
+            let timeout = if watched == self.landing.len() {
+                PollTimeout::NONE
+            } else {
+                PollTimeout::from(FALLBACK_POLL_MS)
+            };
+            let mut fds = vec![PollFd::new(input, PollFlags::POLLIN)];
+            fds.extend(self.landing.iter().filter_map(|l| l.exit.fd()).map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+            match poll(&mut fds, timeout) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(error) => return Err(error.into()),
+            }
+            if fds[0].revents().is_some_and(|r| !r.is_empty()) {
+                return Ok(());
+            }
         }
     }
 }

@@ -1,0 +1,238 @@
+//! What the integration tests share: the binary, the reference, and a
+//! client for the JSON-line worker contract with a timeout on every read.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// The binary under test.
+pub const ZYGOTE: &str = env!("CARGO_BIN_EXE_fluksio-zygote");
+
+/// The shared reference reconstructions, beside the project.
+pub fn reference_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/reference")
+}
+
+pub fn worker_main() -> PathBuf {
+    reference_dir().join("fluksio_worker/worker_main.py")
+}
+
+/// The interpreter the binary embeds (and the reference runs on).
+pub fn python() -> PathBuf {
+    let mut worker = Worker::zygote(&[]);
+    let reply = worker.call(&serde_json::json!({
+        "id": 0, "op": "run", "flow": "t", "node": "py",
+        "source": "import sys\ndef process():\n    return sys.executable\n",
+    }));
+    PathBuf::from(reply.reply["result"].as_str().expect("sys.executable"))
+}
+
+/// How long any one line may take to arrive before a test fails.
+pub const LINE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A worker process (ours or the reference) and its two streams.
+pub struct Worker {
+    pub child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    stderr: Receiver<String>,
+}
+
+/// Everything one request produced: events in order, then the reply.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    pub events: Vec<Value>,
+    pub reply: Value,
+}
+
+impl Worker {
+    pub fn zygote(args: &[&str]) -> Worker {
+        let mut command = Command::new(ZYGOTE);
+        command.arg("worker").args(args);
+        Worker::spawn(command)
+    }
+
+    pub fn reference() -> Worker {
+        let mut command = Command::new(python());
+        command.arg(worker_main());
+        Worker::spawn(command)
+    }
+
+    pub fn spawn(mut command: Command) -> Worker {
+        let mut child = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the worker starts");
+        let stdin = child.stdin.take();
+        let lines = pump(child.stdout.take().expect("stdout"));
+        let stderr = pump(child.stderr.take().expect("stderr"));
+        Worker {
+            child,
+            stdin,
+            lines,
+            stderr,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn send_line(&mut self, line: &[u8]) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin.write_all(line).expect("request written");
+        stdin.write_all(b"\n").expect("request written");
+        stdin.flush().expect("request flushed");
+    }
+
+    pub fn send(&mut self, request: &Value) {
+        self.send_line(request.to_string().as_bytes());
+    }
+
+    /// The next line on stdout, parsed.
+    pub fn next_line(&mut self) -> Value {
+        let line = match self.lines.recv_timeout(LINE_TIMEOUT) {
+            Ok(line) => line,
+            Err(RecvTimeoutError::Timeout) => panic!("no line within {LINE_TIMEOUT:?}"),
+            Err(RecvTimeoutError::Disconnected) => {
+                panic!("stdout closed; stderr: {}", self.stderr_so_far())
+            }
+        };
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line:?}"))
+    }
+
+    /// Reads lines up to and including the reply.
+    pub fn answer(&mut self) -> Answer {
+        let mut events = Vec::new();
+        loop {
+            let line = self.next_line();
+            if line.get("event").is_some_and(|e| !e.is_null() && e != false && e != "") {
+                events.push(line);
+            } else {
+                return Answer {
+                    events,
+                    reply: line,
+                };
+            }
+        }
+    }
+
+    pub fn call(&mut self, request: &Value) -> Answer {
+        self.send(request);
+        self.answer()
+    }
+
+    /// Closes stdin and waits for the exit; returns the code and stderr.
+    pub fn finish(mut self) -> (Option<i32>, String) {
+        drop(self.stdin.take());
+        let status = self.child.wait().expect("the worker exits");
+        let stderr = self.stderr_so_far_blocking();
+        (status.code(), stderr)
+    }
+
+    pub fn stderr_so_far(&self) -> String {
+        let mut text = String::new();
+        while let Ok(line) = self.stderr.try_recv() {
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text
+    }
+
+    fn stderr_so_far_blocking(&self) -> String {
+        let mut text = String::new();
+        while let Ok(line) = self.stderr.recv_timeout(Duration::from_secs(5)) {
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Lines of `stream`, read on a thread so every read can time out.
+fn pump(stream: impl std::io::Read + Send + 'static) -> Receiver<String> {
+    let (send, receive) = channel();
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stream);
+        loop {
+            let mut line = Vec::new();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    let text = String::from_utf8_lossy(&line).trim_end_matches('\n').to_string();
+                    if send.send(text).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    receive
+}
+
+/// A run request for `source` with `kwargs`.
+pub fn run(id: i64, node: &str, source: &str, kwargs: Value) -> Value {
+    serde_json::json!({"id": id, "op": "run", "flow": "t", "node": node, "source": source, "kwargs": kwargs})
+}
+
+pub fn compile(id: i64, node: &str, source: &str) -> Value {
+    serde_json::json!({"id": id, "op": "compile", "flow": "t", "node": node, "source": source})
+}
+
+/// Whether `pid` is gone: no such process, or a zombie nobody reaped yet.
+pub fn is_gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state == "Z" || state == "X"),
+    }
+}
+
+/// Waits until `pid` is gone; false if it still runs after `limit`.
+pub fn wait_gone(pid: i32, limit: Duration) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if is_gone(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    is_gone(pid)
+}
+
+/// The pids whose parent is `parent`, with their state letter.
+pub fn children_of(parent: i32) -> Vec<(i32, char)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc") {
+        let Ok(entry) = entry else { continue };
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some((_, rest)) = stat.rsplit_once(')') else { continue };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.get(1).and_then(|p| p.parse::<i32>().ok()) == Some(parent) {
+            found.push((pid, fields[0].chars().next().unwrap_or('?')));
+        }
+    }
+    found
+}

@@ -1,0 +1,105 @@
+//! Each call starts from the zygote's state, in a session of its own, and
+//! ends with everything it started: nothing outlives a call or its zygote.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Worker, children_of, compile, run, wait_gone};
+use serde_json::json;
+
+#[test]
+fn module_state_set_by_one_call_is_not_seen_by_the_next() {
+    let mut worker = Worker::zygote(&[]);
+    let source = "seen = []\ndef process(x):\n    seen.append(x)\n    return list(seen)\n";
+    worker.call(&compile(1, "state", source));
+    for x in 0..4 {
+        let reply = worker.call(&run(2 + x, "state", source, json!({"x": x}))).reply;
+        assert_eq!(reply["result"], json!([x]), "each call sees the zygote's state only");
+    }
+}
+
+#[test]
+fn each_call_runs_in_its_own_session() {
+    let mut worker = Worker::zygote(&[]);
+    let source = "import os\ndef process():\n    return [os.getpid(), os.getsid(0), os.getpgrp(), os.getppid()]\n";
+    let mut pids = Vec::new();
+    for id in 0..3 {
+        let result = worker.call(&run(id, "session", source, json!({}))).reply["result"].clone();
+        let [pid, sid, pgrp, ppid] = [0, 1, 2, 3].map(|i| result[i].as_i64().unwrap());
+        assert_eq!(sid, pid, "the call leads its own session");
+        assert_eq!(pgrp, pid, "and its own process group");
+        assert_eq!(ppid, worker.pid() as i64, "the zygote is its parent");
+        pids.push(pid);
+    }
+    pids.dedup();
+    assert_eq!(pids.len(), 3, "a new process for every call");
+}
+
+#[test]
+fn killing_the_zygote_kills_a_running_call_and_what_it_started() {
+    let mut worker = Worker::zygote(&[]);
+    let source = "import fluksio, os, subprocess, time\ndef process():\n    sleeper = subprocess.Popen(['sleep', '3600'])\n    fluksio.emit(pids=[os.getpid(), sleeper.pid])\n    time.sleep(3600)\n";
+    worker.send(&run(1, "hang", source, json!({})));
+    let event = worker.next_line();
+    let pids: Vec<i32> = event["outputs"]["pids"]
+        .as_array()
+        .expect("pids")
+        .iter()
+        .map(|p| p.as_i64().unwrap() as i32)
+        .collect();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(worker.pid()), nix::sys::signal::Signal::SIGKILL).unwrap();
+    for pid in pids {
+        assert!(wait_gone(pid, Duration::from_secs(10)), "process {pid} outlived its zygote");
+    }
+}
+
+#[test]
+fn a_call_that_replied_takes_what_it_started_with_it() {
+    let mut worker = Worker::zygote(&[]);
+    let source = "import subprocess\ndef process():\n    return subprocess.Popen(['sleep', '3600']).pid\n";
+    let reply = worker.call(&run(1, "leak", source, json!({}))).reply;
+    let leaked = reply["result"].as_i64().expect("a pid") as i32;
+    assert!(wait_gone(leaked, Duration::from_secs(10)), "the call's subprocess outlived it");
+}
+
+#[test]
+fn a_thousand_calls_leave_no_zombie() {
+    let mut worker = Worker::zygote(&[]);
+    let source = "def process(x):\n    return x\n";
+    for x in 0..1000 {
+        worker.send(&run(x, "many", source, json!({"x": x})));
+    }
+    for x in 0..1000 {
+        assert_eq!(worker.answer().reply["result"], x);
+    }
+    // Children are reaped as they exit, off the calls' clock: give the last
+    // ones the moment their teardown takes.
+    let mut children = children_of(worker.pid());
+    for _ in 0..100 {
+        if children.iter().all(|&(_, state)| state != 'Z') && children.len() <= 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        children = children_of(worker.pid());
+    }
+    let zombies: Vec<_> = children.iter().filter(|&&(_, state)| state == 'Z').collect();
+    assert!(zombies.is_empty(), "zombies after 1000 calls: {zombies:?}");
+    assert!(children.len() <= 1, "at most the standby child is left: {children:?}");
+    let (code, _) = worker.finish();
+    assert_eq!(code, Some(0));
+}
+
+#[test]
+fn stdin_closing_ends_the_worker_and_every_child() {
+    let mut worker = Worker::zygote(&[]);
+    worker.call(&run(1, "x", "def process():\n    return 1\n", json!({})));
+    let zygote = worker.pid();
+    let children: Vec<i32> = children_of(zygote).into_iter().map(|(pid, _)| pid).collect();
+    assert!(!children.is_empty(), "a standby child waits for the next call");
+    let (code, _) = worker.finish();
+    assert_eq!(code, Some(0));
+    for pid in children {
+        assert!(wait_gone(pid, Duration::from_secs(10)), "child {pid} outlived the worker");
+    }
+}

@@ -1,0 +1,26 @@
+//! The engine's reference `PythonWorkerPool`, unchanged, driving
+//! `fluksio-zygote` as its interpreter (`tests/pool_dropin.py` is the
+//! script; the pool comes from `../shared/reference`).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+#[test]
+fn the_reference_pool_drops_the_binary_in_as_its_interpreter() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/pool_dropin.py");
+    let output = Command::new(common::python())
+        .arg(script)
+        .arg(common::ZYGOTE)
+        .arg(common::reference_dir())
+        .output()
+        .expect("python runs the drop-in script");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.trim_end().ends_with("all passed"),
+        "the pool drop-in failed ({}):\n{stdout}\n--- stderr ---\n{stderr}",
+        output.status
+    );
+}
