@@ -49,7 +49,10 @@ fn main() {
     let calls = flag(&args, "--calls").unwrap_or(2000);
     let fresh_calls = flag(&args, "--fresh-calls").unwrap_or(100);
     let python = python();
-    println!("calls per row: {calls} ({fresh_calls} for fresh processes); python: {}", python.display());
+    println!(
+        "calls per row: {calls} ({fresh_calls} for fresh processes); python: {}",
+        python.display()
+    );
     println!();
     println!("| scenario | served by | p50 ms | p99 ms | mean ms | (c) faster by |");
     println!("| --- | --- | ---: | ---: | ---: | ---: |");
@@ -123,7 +126,9 @@ struct Stats {
 impl Stats {
     fn of(mut samples: Vec<Duration>) -> Stats {
         samples.sort_unstable();
-        let at = |q: f64| samples[((q * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1];
+        let at = |q: f64| {
+            samples[((q * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1]
+        };
         Stats {
             p50: at(0.5),
             p99: at(0.99),
@@ -163,7 +168,11 @@ impl Worker {
             .expect("the worker starts");
         let stdin = child.stdin.take().expect("stdin");
         let stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut worker = Worker { child, stdin, stdout };
+        let mut worker = Worker {
+            child,
+            stdin,
+            stdout,
+        };
         // Answering one request means it has started (and preloaded).
         worker.call(r#"{"id":0,"op":"compile","flow":"b","node":"warm","source":"def process():\n    return 0\n"}"#);
         worker
@@ -179,7 +188,8 @@ impl Worker {
 
     /// Anonymous resident memory of the worker process, in KiB.
     fn anon_kib(&self) -> usize {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("status");
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("status");
         status
             .lines()
             .find_map(|l| l.strip_prefix("RssAnon:"))
@@ -189,10 +199,14 @@ impl Worker {
 
     fn measure(mut self, source: &str, calls: usize) -> Stats {
         let source = serde_json::to_string(source).expect("a string");
-        self.call(&format!(r#"{{"id":1,"op":"compile","flow":"b","node":"n","source":{source}}}"#));
+        self.call(&format!(
+            r#"{{"id":1,"op":"compile","flow":"b","node":"n","source":{source}}}"#
+        ));
         let mut samples = Vec::with_capacity(calls);
         for i in 0..calls {
-            let request = format!(r#"{{"id":{i},"op":"run","flow":"b","node":"n","source":{source},"kwargs":{{"x":{i}}}}}"#);
+            let request = format!(
+                r#"{{"id":{i},"op":"run","flow":"b","node":"n","source":{source},"kwargs":{{"x":{i}}}}}"#
+            );
             let start = Instant::now();
             self.call(&request);
             samples.push(start.elapsed());
@@ -208,7 +222,9 @@ fn fresh_per_call(python: &PathBuf, source: &str, calls: usize) -> Stats {
     let source = serde_json::to_string(source).expect("a string");
     let mut samples = Vec::with_capacity(calls);
     for i in 0..calls {
-        let request = format!(r#"{{"id":{i},"op":"run","flow":"b","node":"n","source":{source},"kwargs":{{"x":{i}}}}}"#);
+        let request = format!(
+            r#"{{"id":{i},"op":"run","flow":"b","node":"n","source":{source},"kwargs":{{"x":{i}}}}}"#
+        );
         let start = Instant::now();
         let mut child = Command::new(python)
             .arg(REFERENCE)

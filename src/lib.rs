@@ -19,4 +19,3 @@ pub mod protocol;
 pub mod sweep;
 pub mod worker;
 pub mod zygote;
-

@@ -138,7 +138,12 @@ pub fn wait_exited(pid: Pid) -> io::Result<()> {
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
         // SAFETY: a pointer to a live local.
         let done = unsafe {
-            libc::waitid(libc::P_PID, pid.as_raw() as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT)
+            libc::waitid(
+                libc::P_PID,
+                pid.as_raw() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
         };
         if done == 0 {
             return Ok(());

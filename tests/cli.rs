@@ -38,21 +38,38 @@ fn once(command: &mut Command, request: Option<&Value>) -> Output {
 fn reply_of(output: &Output) -> Value {
     let text = String::from_utf8_lossy(&output.stdout);
     let line = text.lines().last().unwrap_or_else(|| {
-        panic!("no reply; stderr: {}", String::from_utf8_lossy(&output.stderr))
+        panic!(
+            "no reply; stderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
     });
     serde_json::from_str(line).expect("a JSON reply")
 }
 
 fn probe() -> Value {
-    run(1, "probe", "import sys\ndef process():\n    return {'prefix': sys.prefix, 'executable': sys.executable, 'path': sys.path}\n", json!({}))
+    run(
+        1,
+        "probe",
+        "import sys\ndef process():\n    return {'prefix': sys.prefix, 'executable': sys.executable, 'path': sys.path}\n",
+        json!({}),
+    )
 }
 
 #[test]
 fn runs_from_a_clean_environment_on_the_python_it_was_built_against() {
-    let output = once(Command::new(ZYGOTE).arg("worker").env_clear().env("PATH", "/usr/bin:/bin"), Some(&probe()));
+    let output = once(
+        Command::new(ZYGOTE)
+            .arg("worker")
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin"),
+        Some(&probe()),
+    );
     let reply = reply_of(&output);
     assert_eq!(reply["ok"], true, "{reply}");
-    assert_eq!(reply["result"]["executable"], common::python().to_string_lossy().as_ref());
+    assert_eq!(
+        reply["result"]["executable"],
+        common::python().to_string_lossy().as_ref()
+    );
     assert!(!String::from_utf8_lossy(&output.stderr).contains("error"));
 }
 
@@ -84,10 +101,19 @@ fn a_venv_python_gives_nodes_the_venv_site_packages() {
         Some(&request),
     );
     let reply = reply_of(&output);
-    assert_eq!(reply["ok"], true, "{reply}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(
+        reply["ok"],
+        true,
+        "{reply}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert_eq!(reply["result"]["prefix"], venv.to_string_lossy().as_ref());
     assert_eq!(reply["result"]["where"], "venv");
-    assert_eq!(reply["result"]["site"], json!([site.to_string_lossy()]), "the base's site-packages are not seen");
+    assert_eq!(
+        reply["result"]["site"],
+        json!([site.to_string_lossy()]),
+        "the base's site-packages are not seen"
+    );
 }
 
 #[test]
@@ -96,24 +122,42 @@ fn another_python_version_is_refused_with_the_fix() {
     let fake = dir.join("python3.12");
     std::fs::write(&fake, "#!/bin/sh\necho 3.12\n").unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let output = once(Command::new(ZYGOTE).args(["worker", "--python"]).arg(&fake), None);
+    let output = once(
+        Command::new(ZYGOTE).args(["worker", "--python"]).arg(&fake),
+        None,
+    );
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("is Python 3.12, but this fluksio-zygote embeds Python 3.11"), "{stderr}");
-    assert!(stderr.contains("hint:") && stderr.contains("PYO3_PYTHON="), "{stderr}");
+    assert!(
+        stderr.contains("is Python 3.12, but this fluksio-zygote embeds Python 3.11"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("hint:") && stderr.contains("PYO3_PYTHON="),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn a_missing_python_is_named() {
-    let output = once(Command::new(ZYGOTE).args(["worker", "--python", "/nowhere/bin/python"]), None);
+    let output = once(
+        Command::new(ZYGOTE).args(["worker", "--python", "/nowhere/bin/python"]),
+        None,
+    );
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("/nowhere/bin/python does not exist") && stderr.contains("hint:"), "{stderr}");
+    assert!(
+        stderr.contains("/nowhere/bin/python does not exist") && stderr.contains("hint:"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn a_preload_that_fails_stops_start_up_with_its_own_error() {
-    let output = once(Command::new(ZYGOTE).args(["worker", "--preload", "json,no_such_module_here"]), None);
+    let output = once(
+        Command::new(ZYGOTE).args(["worker", "--preload", "json,no_such_module_here"]),
+        None,
+    );
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -123,19 +167,44 @@ fn a_preload_that_fails_stops_start_up_with_its_own_error() {
     assert!(stderr.contains("hint:"), "{stderr}");
 
     let dir = scratch("preload");
-    std::fs::write(dir.join("explodes.py"), "raise RuntimeError('boom at import')\n").unwrap();
-    let output = once(Command::new(ZYGOTE).args(["worker", "--preload", "explodes"]).env("PYTHONPATH", &dir), None);
+    std::fs::write(
+        dir.join("explodes.py"),
+        "raise RuntimeError('boom at import')\n",
+    )
+    .unwrap();
+    let output = once(
+        Command::new(ZYGOTE)
+            .args(["worker", "--preload", "explodes"])
+            .env("PYTHONPATH", &dir),
+        None,
+    );
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("could not preload explodes: RuntimeError: boom at import"), "{stderr}");
+    assert!(
+        stderr.contains("could not preload explodes: RuntimeError: boom at import"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn preloads_come_from_the_flag_or_the_environment() {
-    let request = run(1, "pre", "import sys\ndef process():\n    return ['decimal' in sys.modules, 'fractions' in sys.modules]\n", json!({}));
-    let output = once(Command::new(ZYGOTE).args(["worker", "--preload", "decimal"]), Some(&request));
+    let request = run(
+        1,
+        "pre",
+        "import sys\ndef process():\n    return ['decimal' in sys.modules, 'fractions' in sys.modules]\n",
+        json!({}),
+    );
+    let output = once(
+        Command::new(ZYGOTE).args(["worker", "--preload", "decimal"]),
+        Some(&request),
+    );
     assert_eq!(reply_of(&output)["result"], json!([true, false]));
-    let output = once(Command::new(ZYGOTE).arg("worker").env("FLUKSIO_PRELOAD", "fractions,decimal"), Some(&request));
+    let output = once(
+        Command::new(ZYGOTE)
+            .arg("worker")
+            .env("FLUKSIO_PRELOAD", "fractions,decimal"),
+        Some(&request),
+    );
     assert_eq!(reply_of(&output)["result"], json!([true, true]));
 }
 
@@ -144,19 +213,30 @@ fn numpy_preloaded_keeps_the_zygote_single_threaded() {
     let mut worker = Worker::zygote(&["--preload", "numpy"]);
     let source = "import numpy as np\ndef process(n):\n    a = np.ones((n, n))\n    return float(a.dot(a).sum())\n";
     for id in 0..3 {
-        let reply = worker.call(&run(id, "blas", source, json!({"n": 300}))).reply;
+        let reply = worker
+            .call(&run(id, "blas", source, json!({"n": 300})))
+            .reply;
         assert_eq!(reply["result"], json!(27000000.0), "{reply}");
     }
     let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid())).unwrap();
-    assert!(status.contains("Threads:\t1\n"), "OpenBLAS parked its pool at fork:\n{status}");
+    assert!(
+        status.contains("Threads:\t1\n"),
+        "OpenBLAS parked its pool at fork:\n{status}"
+    );
     let (code, stderr) = worker.finish();
     assert_eq!(code, Some(0));
-    assert!(!stderr.contains("WARN"), "no warning about threads: {stderr}");
+    assert!(
+        !stderr.contains("WARN"),
+        "no warning about threads: {stderr}"
+    );
 }
 
 #[test]
 fn invoked_as_worker_main_py_it_is_the_worker() {
-    let output = once(Command::new(ZYGOTE).arg("/anywhere/fluksio_worker/worker_main.py"), Some(&probe()));
+    let output = once(
+        Command::new(ZYGOTE).arg("/anywhere/fluksio_worker/worker_main.py"),
+        Some(&probe()),
+    );
     assert_eq!(reply_of(&output)["ok"], true);
 }
 
@@ -168,24 +248,57 @@ fn help_names_the_commands() {
     for word in ["worker", "sweep", "worker_main.py", "PythonWorkerPool"] {
         assert!(help.contains(word), "--help mentions {word}:\n{help}");
     }
-    let output = Command::new(ZYGOTE).args(["worker", "--help"]).output().unwrap();
+    let output = Command::new(ZYGOTE)
+        .args(["worker", "--help"])
+        .output()
+        .unwrap();
     let help = String::from_utf8_lossy(&output.stdout);
-    for word in ["--python", "--preload", "FLUKSIO_PRELOAD", "--max-request-mb"] {
-        assert!(help.contains(word), "worker --help mentions {word}:\n{help}");
+    for word in [
+        "--python",
+        "--preload",
+        "FLUKSIO_PRELOAD",
+        "--max-request-mb",
+    ] {
+        assert!(
+            help.contains(word),
+            "worker --help mentions {word}:\n{help}"
+        );
     }
 }
 
 fn sweep(args: &[&str], node: &Path) -> Output {
-    Command::new(ZYGOTE).arg("sweep").arg(node).args(args).output().expect("sweep runs")
+    Command::new(ZYGOTE)
+        .arg("sweep")
+        .arg(node)
+        .args(args)
+        .output()
+        .expect("sweep runs")
 }
 
 #[test]
 fn sweep_runs_the_node_once_per_point_in_grid_order() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/square.py");
-    let output = sweep(&["--grid", "x=0..99", "--kwargs", r#"{"offset": 1}"#, "-j", "2"], &example);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let output = sweep(
+        &[
+            "--grid",
+            "x=0..99",
+            "--kwargs",
+            r#"{"offset": 1}"#,
+            "-j",
+            "2",
+        ],
+        &example,
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let lines: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect();
     assert_eq!(lines.len(), 100);
     for (x, line) in lines.iter().enumerate() {
         assert_eq!(line["point"], json!({"x": x, "offset": 1}));
@@ -194,7 +307,10 @@ fn sweep_runs_the_node_once_per_point_in_grid_order() {
     }
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("sweep: 100 calls, 0 failed") && stderr.contains("calls/s") && stderr.contains("p50") && stderr.contains("p99"),
+        stderr.contains("sweep: 100 calls, 0 failed")
+            && stderr.contains("calls/s")
+            && stderr.contains("p50")
+            && stderr.contains("p99"),
         "{stderr}"
     );
 }
@@ -207,13 +323,23 @@ fn sweep_counts_failures_and_keeps_going() {
     let output = sweep(&["--grid", "x=0..5", "--grid", "y=1,10"], &node);
     assert_eq!(output.status.code(), Some(1));
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let lines: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect();
     assert_eq!(lines.len(), 12);
     assert_eq!(lines[1]["point"], json!({"x": 0, "y": 10}));
     assert_eq!(lines[4]["result"], 2);
     assert_eq!(lines[4]["logs"], "even 2\n");
     assert_eq!(lines[2]["error"]["short"], "ValueError: odd 1 (line 6)");
-    assert!(lines[6]["error"]["message"].as_str().unwrap().contains("exited with code 9"), "{}", lines[6]);
+    assert!(
+        lines[6]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("exited with code 9"),
+        "{}",
+        lines[6]
+    );
     assert!(String::from_utf8_lossy(&output.stderr).contains("12 calls, 6 failed"));
 }
 
@@ -232,7 +358,8 @@ fn sweep_refuses_what_it_cannot_run() {
     let output = sweep(&["--grid", "x=1,2"], &node);
     assert_eq!(output.status.code(), Some(2));
     assert!(
-        String::from_utf8_lossy(&output.stderr).contains("the node does not load: SyntaxError: invalid syntax (line 1)"),
+        String::from_utf8_lossy(&output.stderr)
+            .contains("the node does not load: SyntaxError: invalid syntax (line 1)"),
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );

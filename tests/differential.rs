@@ -55,7 +55,9 @@ fn compile(node: &str, source: &str) -> Value {
 
 fn corpus() -> Vec<Case> {
     let five_mb = "x".repeat(5 * 1024 * 1024);
-    let big: Value = serde_json::from_str("1606938044258990275541962092341162602522202993782792835301376").unwrap();
+    let big: Value =
+        serde_json::from_str("1606938044258990275541962092341162602522202993782792835301376")
+            .unwrap();
     vec![
         case("a value returned", vec![run("v", "def process(x):\n    return x * 2\n", json!({"x": 21}))]),
         case("None returned", vec![run("none", "def process():\n    pass\n", json!({}))]),
@@ -331,9 +333,14 @@ fn corpus() -> Vec<Case> {
 fn normalize(mut answer: Answer, without_traceback: bool) -> Answer {
     for event in &mut answer.events {
         let ts = event.as_object_mut().and_then(|o| o.remove("ts"));
-        assert!(ts.as_ref().is_some_and(Value::is_number), "an event has a numeric ts: {event}");
+        assert!(
+            ts.as_ref().is_some_and(Value::is_number),
+            "an event has a numeric ts: {event}"
+        );
     }
-    if without_traceback && let Some(error) = answer.reply.get_mut("error").and_then(Value::as_object_mut) {
+    if without_traceback
+        && let Some(error) = answer.reply.get_mut("error").and_then(Value::as_object_mut)
+    {
         error.remove("traceback");
     }
     answer
@@ -354,11 +361,20 @@ fn check(case: &Case) -> Result<(), String> {
     let reference = serve(Worker::reference(), &case.requests);
     let ours = serve(Worker::zygote(&[]), &case.requests);
     for (index, (theirs, ours)) in reference.into_iter().zip(ours).enumerate() {
-        let loose = case.differs == Differs::RuntimeFramesInTraceback && theirs.reply["ok"] == false;
+        let loose =
+            case.differs == Differs::RuntimeFramesInTraceback && theirs.reply["ok"] == false;
         if loose {
-            let traceback = ours.reply["error"]["traceback"].as_str().unwrap_or_default().to_string();
-            if !traceback.starts_with("Traceback (most recent call last):\n") || traceback.contains("worker_main") || traceback.contains(".rs") {
-                return Err(format!("request {index}: our traceback shows the runtime: {traceback:?}"));
+            let traceback = ours.reply["error"]["traceback"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            if !traceback.starts_with("Traceback (most recent call last):\n")
+                || traceback.contains("worker_main")
+                || traceback.contains(".rs")
+            {
+                return Err(format!(
+                    "request {index}: our traceback shows the runtime: {traceback:?}"
+                ));
             }
         }
         let (theirs, ours) = (normalize(theirs, loose), normalize(ours, loose));
@@ -375,7 +391,11 @@ fn check(case: &Case) -> Result<(), String> {
 
 fn shorten(text: &str) -> String {
     if text.len() > 3000 {
-        format!("{}… ({} bytes)", &text[..text.floor_char_boundary(3000)], text.len())
+        format!(
+            "{}… ({} bytes)",
+            &text[..text.floor_char_boundary(3000)],
+            text.len()
+        )
     } else {
         text.to_string()
     }
@@ -398,7 +418,16 @@ fn every_case_matches_the_reference_field_for_field() {
                 })
             })
             .collect();
-        handles.into_iter().flat_map(|h| h.join().expect("no panic")).collect()
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("no panic"))
+            .collect()
     });
-    assert!(failures.is_empty(), "{} of {} cases differ:\n\n{}", failures.len(), cases.len(), failures.join("\n\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases differ:\n\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n\n")
+    );
 }

@@ -14,8 +14,14 @@ fn module_state_set_by_one_call_is_not_seen_by_the_next() {
     let source = "seen = []\ndef process(x):\n    seen.append(x)\n    return list(seen)\n";
     worker.call(&compile(1, "state", source));
     for x in 0..4 {
-        let reply = worker.call(&run(2 + x, "state", source, json!({"x": x}))).reply;
-        assert_eq!(reply["result"], json!([x]), "each call sees the zygote's state only");
+        let reply = worker
+            .call(&run(2 + x, "state", source, json!({"x": x})))
+            .reply;
+        assert_eq!(
+            reply["result"],
+            json!([x]),
+            "each call sees the zygote's state only"
+        );
     }
 }
 
@@ -48,19 +54,30 @@ fn killing_the_zygote_kills_a_running_call_and_what_it_started() {
         .iter()
         .map(|p| p.as_i64().unwrap() as i32)
         .collect();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(worker.pid()), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(worker.pid()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     for pid in pids {
-        assert!(wait_gone(pid, Duration::from_secs(10)), "process {pid} outlived its zygote");
+        assert!(
+            wait_gone(pid, Duration::from_secs(10)),
+            "process {pid} outlived its zygote"
+        );
     }
 }
 
 #[test]
 fn a_call_that_replied_takes_what_it_started_with_it() {
     let mut worker = Worker::zygote(&[]);
-    let source = "import subprocess\ndef process():\n    return subprocess.Popen(['sleep', '3600']).pid\n";
+    let source =
+        "import subprocess\ndef process():\n    return subprocess.Popen(['sleep', '3600']).pid\n";
     let reply = worker.call(&run(1, "leak", source, json!({}))).reply;
     let leaked = reply["result"].as_i64().expect("a pid") as i32;
-    assert!(wait_gone(leaked, Duration::from_secs(10)), "the call's subprocess outlived it");
+    assert!(
+        wait_gone(leaked, Duration::from_secs(10)),
+        "the call's subprocess outlived it"
+    );
 }
 
 #[test]
@@ -83,9 +100,15 @@ fn a_thousand_calls_leave_no_zombie() {
         std::thread::sleep(Duration::from_millis(20));
         children = children_of(worker.pid());
     }
-    let zombies: Vec<_> = children.iter().filter(|&&(_, state)| state == 'Z').collect();
+    let zombies: Vec<_> = children
+        .iter()
+        .filter(|&&(_, state)| state == 'Z')
+        .collect();
     assert!(zombies.is_empty(), "zombies after 1000 calls: {zombies:?}");
-    assert!(children.len() <= 1, "at most the standby child is left: {children:?}");
+    assert!(
+        children.len() <= 1,
+        "at most the standby child is left: {children:?}"
+    );
     let (code, _) = worker.finish();
     assert_eq!(code, Some(0));
 }
@@ -95,11 +118,20 @@ fn stdin_closing_ends_the_worker_and_every_child() {
     let mut worker = Worker::zygote(&[]);
     worker.call(&run(1, "x", "def process():\n    return 1\n", json!({})));
     let zygote = worker.pid();
-    let children: Vec<i32> = children_of(zygote).into_iter().map(|(pid, _)| pid).collect();
-    assert!(!children.is_empty(), "a standby child waits for the next call");
+    let children: Vec<i32> = children_of(zygote)
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .collect();
+    assert!(
+        !children.is_empty(),
+        "a standby child waits for the next call"
+    );
     let (code, _) = worker.finish();
     assert_eq!(code, Some(0));
     for pid in children {
-        assert!(wait_gone(pid, Duration::from_secs(10)), "child {pid} outlived the worker");
+        assert!(
+            wait_gone(pid, Duration::from_secs(10)),
+            "child {pid} outlived the worker"
+        );
     }
 }

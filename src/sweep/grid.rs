@@ -50,29 +50,46 @@ fn range(text: &str) -> Option<Result<Vec<Value>, String>> {
 }
 
 fn numeric_range(start: &str, end: &str, step: Option<&str>) -> Result<Vec<Value>, String> {
-    let ints = (start.parse::<i64>(), end.parse::<i64>(), step.map(str::parse::<i64>));
+    let ints = (
+        start.parse::<i64>(),
+        end.parse::<i64>(),
+        step.map(str::parse::<i64>),
+    );
     if let (Ok(a), Ok(b), None | Some(Ok(_))) = ints {
         let step = step.map(|s| s.parse::<i64>().unwrap_or(1)).unwrap_or(1);
         if step <= 0 {
             return Err("the step must be positive".into());
         }
-        let count = if b < a { 0 } else { ((b - a) / step + 1) as usize };
+        let count = if b < a {
+            0
+        } else {
+            ((b - a) / step + 1) as usize
+        };
         if count > MAX_POINTS {
             return Err(format!("{count} values, more than {MAX_POINTS}"));
         }
-        return Ok((0..count as i64).map(|i| Value::from(a + i * step)).collect());
+        return Ok((0..count as i64)
+            .map(|i| Value::from(a + i * step))
+            .collect());
     }
-    let number = |s: &str| s.parse::<f64>().map_err(|_| format!("{s:?} is not a number"));
+    let number = |s: &str| {
+        s.parse::<f64>()
+            .map_err(|_| format!("{s:?} is not a number"))
+    };
     let (a, b) = (number(start)?, number(end)?);
     let step = match step {
         Some(step) => number(step)?,
         None => 1.0,
     };
-    if !(step > 0.0) || !a.is_finite() || !b.is_finite() {
+    if step.is_nan() || step <= 0.0 || !a.is_finite() || !b.is_finite() {
         return Err("the bounds must be numbers and the step positive".into());
     }
     // A hair of tolerance, so 0..1:0.1 ends at 1.0 despite binary fractions.
-    let count = if b < a { 0.0 } else { ((b - a) / step + 1e-9).floor() + 1.0 };
+    let count = if b < a {
+        0.0
+    } else {
+        ((b - a) / step + 1e-9).floor() + 1.0
+    };
     if count > MAX_POINTS as f64 {
         return Err(format!("{count} values, more than {MAX_POINTS}"));
     }
@@ -124,25 +141,38 @@ mod tests {
         let axis = parse_axis("x=0..999").unwrap();
         assert_eq!(axis.values.len(), 1000);
         assert_eq!(axis.values[999], json!(999));
-        assert_eq!(parse_axis("x=0..10:5").unwrap().values, vec![json!(0), json!(5), json!(10)]);
+        assert_eq!(
+            parse_axis("x=0..10:5").unwrap().values,
+            vec![json!(0), json!(5), json!(10)]
+        );
     }
 
     #[test]
     fn float_steps_reach_the_end() {
         let axis = parse_axis("lr=0..1:0.25").unwrap();
-        assert_eq!(axis.values, vec![json!(0.0), json!(0.25), json!(0.5), json!(0.75), json!(1.0)]);
+        assert_eq!(
+            axis.values,
+            vec![json!(0.0), json!(0.25), json!(0.5), json!(0.75), json!(1.0)]
+        );
         assert_eq!(parse_axis("x=0..1:0.1").unwrap().values.len(), 11);
     }
 
     #[test]
     fn lists_are_json_where_they_parse() {
         let axis = parse_axis("opt=adam,2,0.5,true").unwrap();
-        assert_eq!(axis.values, vec![json!("adam"), json!(2), json!(0.5), json!(true)]);
+        assert_eq!(
+            axis.values,
+            vec![json!("adam"), json!(2), json!(0.5), json!(true)]
+        );
     }
 
     #[test]
     fn bad_specs_say_what_is_expected() {
-        assert!(parse_axis("x").unwrap_err().contains("expected NAME=VALUES"));
+        assert!(
+            parse_axis("x")
+                .unwrap_err()
+                .contains("expected NAME=VALUES")
+        );
         assert!(parse_axis("x=0..z").unwrap_err().contains("not a number"));
         assert!(parse_axis("x=0..4:0").unwrap_err().contains("positive"));
     }
@@ -152,7 +182,10 @@ mod tests {
         let axes = [parse_axis("a=1,2").unwrap(), parse_axis("b=x,y").unwrap()];
         let base: Map<String, Value> = serde_json::from_value(json!({"c": 0, "a": 9})).unwrap();
         let product = points(&axes, &base).unwrap();
-        let got: Vec<_> = product.iter().map(|p| (p["a"].clone(), p["b"].clone(), p["c"].clone())).collect();
+        let got: Vec<_> = product
+            .iter()
+            .map(|p| (p["a"].clone(), p["b"].clone(), p["c"].clone()))
+            .collect();
         assert_eq!(
             got,
             vec![

@@ -208,7 +208,11 @@ pub struct Summary {
 impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let seconds = self.elapsed.as_secs_f64();
-        let rate = if seconds > 0.0 { self.calls as f64 / seconds } else { 0.0 };
+        let rate = if seconds > 0.0 {
+            self.calls as f64 / seconds
+        } else {
+            0.0
+        };
         write!(
             f,
             "sweep: {} calls, {} failed, in {:.2} s: {:.0} calls/s, latency p50 {:.2} ms, p99 {:.2} ms ({} in flight)",
@@ -245,7 +249,12 @@ struct Running {
     answer: Answer,
 }
 
-fn sweep(py: Python<'_>, zygote: &mut Zygote, prepared: &Prepared, jobs: usize) -> Result<Summary, String> {
+fn sweep(
+    py: Python<'_>,
+    zygote: &mut Zygote,
+    prepared: &Prepared,
+    jobs: usize,
+) -> Result<Summary, String> {
     let started = Instant::now();
     let stdout = std::io::stdout();
     let mut stdout = stdout.lock();
@@ -352,11 +361,17 @@ fn wait_for_any(running: &[Running]) -> Result<(Vec<usize>, Vec<usize>), String>
     let mut exited = Vec::new();
     for (fd, &(i, is_exit)) in fds.iter().zip(&owners) {
         if fd.revents().is_some_and(|r| !r.is_empty()) {
-            if is_exit { exited.push(i) } else { readable.push(i) }
+            if is_exit {
+                exited.push(i)
+            } else {
+                readable.push(i)
+            }
         }
     }
     if !all_have_pidfds {
-        exited.extend((0..running.len()).filter(|&i| running[i].flight.exit_poll().is_none() && running[i].flight.has_exited()));
+        exited.extend((0..running.len()).filter(|&i| {
+            running[i].flight.exit_poll().is_none() && running[i].flight.has_exited()
+        }));
     }
     exited.sort_unstable();
     exited.dedup();
@@ -372,7 +387,9 @@ fn run_request(prepared: &Prepared, index: usize) -> Request {
         node: prepared.node.clone(),
         source: prepared.source.clone(),
         keep: true,
-        kwargs: Some(raw(&Value::Object(prepared.points[index].clone()).to_string())),
+        kwargs: Some(raw(
+            &Value::Object(prepared.points[index].clone()).to_string()
+        )),
         env: Vec::new(),
     }
 }
@@ -384,7 +401,10 @@ fn result_line(point: &Map<String, Value>, reply: &[u8]) -> (String, bool) {
     let Ok(reply) = serde_json::from_slice::<Reply<'_>>(reply) else {
         let text = String::from_utf8_lossy(reply);
         let error = serde_json::json!({"type": "RemoteError", "message": format!("unreadable reply: {}", text.trim())});
-        return (format!(r#"{{"point": {point}, "ok": false, "error": {error}}}"#), false);
+        return (
+            format!(r#"{{"point": {point}, "ok": false, "error": {error}}}"#),
+            false,
+        );
     };
     let mut line = format!(r#"{{"point": {point}, "ok": {}"#, reply.ok);
     match (reply.ok, reply.result, reply.error) {

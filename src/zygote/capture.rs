@@ -65,10 +65,21 @@ impl LogBuffer {
         Ok(LogBuffer { base })
     }
 
-    fn header(&self) -> &mut Header {
-        // SAFETY: the mapping starts with a Header and lives as long as self;
-        // callers hold the GIL or own the buffer exclusively.
-        unsafe { &mut *self.base.as_ptr() }
+    /// (bytes, chars) written so far.
+    fn counts(&self) -> (usize, usize) {
+        // SAFETY: the mapping starts with a Header and lives as long as self.
+        let header = unsafe { &*self.base.as_ptr() };
+        (header.bytes, header.chars)
+    }
+
+    fn set_counts(&self, bytes: usize, chars: usize) {
+        // SAFETY: as in `counts`; writers are serialised by the GIL (within a
+        // process) and by the zygote reading only buffers no child writes.
+        unsafe {
+            let header = self.base.as_ptr();
+            (*header).bytes = bytes;
+            (*header).chars = chars;
+        }
     }
 
     fn data(&self) -> *mut u8 {
@@ -77,22 +88,19 @@ impl LogBuffer {
     }
 
     pub fn clear(&self) {
-        let header = self.header();
-        header.bytes = 0;
-        header.chars = 0;
+        self.set_counts(0, 0);
     }
 
     /// Makes this buffer hold what `other` holds (a trial's output, which a
     /// run's logs start with).
     pub fn copy_from(&self, other: &LogBuffer) {
         self.clear();
-        let chars = other.header().chars;
-        self.append(other.bytes(), chars);
+        self.append(other.bytes(), other.counts().1);
     }
 
     /// The stored bytes (UTF-8, with surrogates as `surrogatepass` writes them).
     pub fn bytes(&self) -> &[u8] {
-        let len = self.header().bytes.min(DATA_BYTES);
+        let len = self.counts().0.min(DATA_BYTES);
         // SAFETY: `len` bytes of the data area were written by `append`.
         unsafe { std::slice::from_raw_parts(self.data(), len) }
     }
@@ -104,18 +112,17 @@ impl LogBuffer {
 
     /// Characters that can still be kept.
     fn room(&self) -> usize {
-        MAX_LOG_CHARS.saturating_sub(self.header().chars)
+        MAX_LOG_CHARS.saturating_sub(self.counts().1)
     }
 
     fn append(&self, bytes: &[u8], chars: usize) {
-        let header = self.header();
-        let len = bytes.len().min(DATA_BYTES - header.bytes);
+        let (written, counted) = self.counts();
+        let len = bytes.len().min(DATA_BYTES - written);
         // SAFETY: the copy stays inside the data area (len is clamped above).
         unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(header.bytes), len);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(written), len);
         }
-        header.bytes += len;
-        header.chars += chars;
+        self.set_counts(written + len, counted + chars);
     }
 
     /// Makes this the buffer every [`LogCapture`] in this process writes to.

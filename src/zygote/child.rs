@@ -155,7 +155,8 @@ impl Assignment {
             "run" => Task::Run,
             _ => return None,
         };
-        let (id, call_id, flow, node, source, digest) = (next(), next(), next(), next(), next(), next());
+        let (id, call_id, flow, node, source, digest) =
+            (next(), next(), next(), next(), next(), next());
         let kwargs = next();
         let kwargs = (next() == "1").then_some(kwargs);
         let mut env = Vec::new();
@@ -218,7 +219,10 @@ pub fn wait_for_call(go: &impl std::os::fd::AsRawFd) {
 }
 
 /// Writes `assignment` down a child's control pipe; closing it ends it.
-pub fn send_assignment(control: &impl std::os::fd::AsRawFd, assignment: &Assignment) -> std::io::Result<()> {
+pub fn send_assignment(
+    control: &impl std::os::fd::AsRawFd,
+    assignment: &Assignment,
+) -> std::io::Result<()> {
     channel::write_all(control.as_raw_fd(), &assignment.encode())
 }
 
@@ -247,7 +251,11 @@ pub fn receive(control: RawFd) -> Assignment {
 /// function touch the same pages every time; touching them here, while the
 /// child waits, takes those copies off the call. `functions` are the nodes
 /// the zygote has loaded, whose objects a call will touch too.
-pub fn stand_by<'a>(py: Python<'_>, logs: &LogBuffer, functions: impl Iterator<Item = &'a Py<PyAny>>) {
+pub fn stand_by<'a>(
+    py: Python<'_>,
+    logs: &LogBuffer,
+    functions: impl Iterator<Item = &'a Py<PyAny>>,
+) {
     logs.capture_here();
     let _ = capture::redirect_stdio(py);
     let _ = py.import("gc").and_then(|gc| gc.call_method0("enable"));
@@ -261,14 +269,21 @@ pub fn stand_by<'a>(py: Python<'_>, logs: &LogBuffer, functions: impl Iterator<I
 }
 
 fn rehearse(py: Python<'_>) -> PyResult<()> {
-    let sample = channel::loads(py, r#"{"a": [1, 2.5, "x", null, true, {"b": -1}], "c": "\u00e9"}"#)?;
+    let sample = channel::loads(
+        py,
+        r#"{"a": [1, 2.5, "x", null, true, {"b": -1}], "c": "\u00e9"}"#,
+    )?;
     let sample = sample.cast::<PyDict>()?;
     channel::dumps(sample.as_any(), false)?;
     channel::dumps(sample.as_any(), true)?;
-    py.import("builtins")?.getattr("dict")?.call((), Some(sample))?;
+    py.import("builtins")?
+        .getattr("dict")?
+        .call((), Some(sample))?;
     let logs = capture::current_logs(py)?;
     encode_logs(&logs)?;
-    py.import("sys")?.getattr("stdout")?.call_method1("write", ("",))?;
+    py.import("sys")?
+        .getattr("stdout")?
+        .call_method1("write", ("",))?;
     Ok(())
 }
 
@@ -331,7 +346,9 @@ fn perform<'py>(
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
     let function = match function {
         Function::Loaded(function) => function.bind(py).clone(),
-        Function::LoadHere { quiet: false } => node::load(py, &call.key, &call.source, &call.digest)?,
+        Function::LoadHere { quiet: false } => {
+            node::load(py, &call.key, &call.source, &call.digest)?
+        }
         Function::LoadHere { quiet: true } => {
             let scratch = LogBuffer::new()?;
             scratch.capture_here();
@@ -504,7 +521,11 @@ fn build_reply(
     }
 }
 
-fn error_reply(call: &Assignment, error: &Bound<'_, PyDict>, logs: &Bound<'_, PyAny>) -> PyResult<String> {
+fn error_reply(
+    call: &Assignment,
+    error: &Bound<'_, PyDict>,
+    logs: &Bound<'_, PyAny>,
+) -> PyResult<String> {
     Ok(format!(
         r#"{{"id": {}, "call_id": {}, "ok": false, "error": {}, "logs": {}}}"#,
         call.id,
@@ -616,14 +637,28 @@ mod tests {
             task: Task::Run,
             id: "[1, \"x\"]".into(),
             call_id: "r:f.n".into(),
-            key: NodeKey { flow: "f".into(), node: "n".into() },
+            key: NodeKey {
+                flow: "f".into(),
+                node: "n".into(),
+            },
             source: "def process(x):\n    return x\n".into(),
             digest: "0123456789abcdef0123456789abcdef".into(),
             kwargs: Some("{\"x\": \"\"}".into()),
-            env: vec![("CUDA_VISIBLE_DEVICES".into(), "1".into()), ("EMPTY".into(), "".into())],
+            env: vec![
+                ("CUDA_VISIBLE_DEVICES".into(), "1".into()),
+                ("EMPTY".into(), "".into()),
+            ],
         };
-        assert_eq!(Assignment::decode(&assignment.encode()), Some(assignment.clone()));
-        let check = Assignment { task: Task::Check, kwargs: None, env: vec![], ..assignment };
+        assert_eq!(
+            Assignment::decode(&assignment.encode()),
+            Some(assignment.clone())
+        );
+        let check = Assignment {
+            task: Task::Check,
+            kwargs: None,
+            env: vec![],
+            ..assignment
+        };
         assert_eq!(Assignment::decode(&check.encode()), Some(check));
         assert_eq!(Assignment::decode(b"\x05\x00"), None);
     }

@@ -292,7 +292,9 @@ impl Zygote {
                 self.children.land_later(flight);
                 Ok(())
             }
-            Ok(false) => self.finish(assignment, flight, out).map(|landed| self.children.recycle(landed.logs)),
+            Ok(false) => self
+                .finish(assignment, flight, out)
+                .map(|landed| self.children.recycle(landed.logs)),
             Err(error) => Err(self.lost(assignment, error, out)),
         }
     }
@@ -332,7 +334,12 @@ impl Zygote {
     }
 
     /// Lands a flight and answers for it if it ended without a reply.
-    fn finish(&mut self, assignment: &Assignment, flight: Flight, out: &mut dyn CallOutput) -> Result<Landed, Stop> {
+    fn finish(
+        &mut self,
+        assignment: &Assignment,
+        flight: Flight,
+        out: &mut dyn CallOutput,
+    ) -> Result<Landed, Stop> {
         match flight.land(out) {
             Ok(landed) => {
                 if !landed.replied {
@@ -346,7 +353,12 @@ impl Zygote {
 
     /// Only a failed poll or wait gets here: the zygote no longer knows its
     /// own children, and a restart is the honest fix.
-    fn lost(&mut self, assignment: &Assignment, error: std::io::Error, out: &mut dyn CallOutput) -> Stop {
+    fn lost(
+        &mut self,
+        assignment: &Assignment,
+        error: std::io::Error,
+        out: &mut dyn CallOutput,
+    ) -> Stop {
         tracing::error!("lost track of a call's process: {error}");
         let message = format!("lost track of the node's process: {error}");
         out.reply(&assignment.failure("RemoteError", &message));
@@ -365,7 +377,11 @@ impl Zygote {
         let Some(digest) = self.nodes.get(&key).map(|c| c.digest.clone()) else {
             return Err(SpawnError::NotCompiled);
         };
-        self.dispatch(py, &Assignment::for_request(request, Task::Run, &digest), None)
+        self.dispatch(
+            py,
+            &Assignment::for_request(request, Task::Run, &digest),
+            None,
+        )
     }
 
     /// Takes back the log buffer of a landed call, for the next one.
@@ -375,10 +391,12 @@ impl Zygote {
 
     /// The functions of the nodes loaded in the zygote.
     fn loaded_functions(&self) -> impl Iterator<Item = &Py<PyAny>> {
-        self.nodes.values().filter_map(|compiled| match &compiled.residence {
-            Residence::Zygote(function) => Some(function),
-            Residence::EachChild => None,
-        })
+        self.nodes
+            .values()
+            .filter_map(|compiled| match &compiled.residence {
+                Residence::Zygote(function) => Some(function),
+                Residence::EachChild => None,
+            })
     }
 
     /// How a child resolves its node, from its copy of the zygote's table.

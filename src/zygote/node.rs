@@ -114,6 +114,9 @@ mod tests {
     fn digest_is_hashlib_md5_of_the_utf8_source() {
         // python3 -c 'import hashlib; print(hashlib.md5("def process():\n    return \"é\"\n".encode()).hexdigest())'
         assert_eq!(source_digest(""), "d41d8cd98f00b204e9800998ecf8427e");
-        assert_eq!(source_digest("def process():\n    return \"é\"\n"), "eb542ed7ac80455a245212d9748e9eda");
+        assert_eq!(
+            source_digest("def process():\n    return \"é\"\n"),
+            "eb542ed7ac80455a245212d9748e9eda"
+        );
     }
 }

@@ -119,14 +119,23 @@ impl Children {
     pub(super) fn wait_for_input(&mut self, input: BorrowedFd<'_>) -> std::io::Result<()> {
         loop {
             self.reap_landed();
-            let watched = self.landing.iter().filter(|l| l.exit.fd().is_some()).count();
+            let watched = self
+                .landing
+                .iter()
+                .filter(|l| l.exit.fd().is_some())
+                .count();
             let timeout = if watched == self.landing.len() {
                 PollTimeout::NONE
             } else {
                 PollTimeout::from(FALLBACK_POLL_MS)
             };
             let mut fds = vec![PollFd::new(input, PollFlags::POLLIN)];
-            fds.extend(self.landing.iter().filter_map(|l| l.exit.fd()).map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+            fds.extend(
+                self.landing
+                    .iter()
+                    .filter_map(|l| l.exit.fd())
+                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
+            );
             match poll(&mut fds, timeout) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(error) => return Err(error.into()),
@@ -195,7 +204,9 @@ impl Zygote {
 
     /// Forks a child from the zygote as it is now, set up and waiting.
     fn fork_standby(&mut self, py: Python<'_>) -> Result<Standby, SpawnError> {
-        let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| SpawnError::Io(e.into()));
+        let pipe = || {
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| SpawnError::Io(e.into()))
+        };
         let (control_read, control_write) = pipe()?;
         let (lines_read, lines_write) = pipe()?;
         let go = child::wake_up_call().map_err(SpawnError::Io)?;

@@ -114,7 +114,10 @@ impl Worker {
         let mut events = Vec::new();
         loop {
             let line = self.next_line();
-            if line.get("event").is_some_and(|e| !e.is_null() && e != false && e != "") {
+            if line
+                .get("event")
+                .is_some_and(|e| !e.is_null() && e != false && e != "")
+            {
                 events.push(line);
             } else {
                 return Answer {
@@ -174,7 +177,9 @@ fn pump(stream: impl std::io::Read + Send + 'static) -> Receiver<String> {
             match reader.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {
-                    let text = String::from_utf8_lossy(&line).trim_end_matches('\n').to_string();
+                    let text = String::from_utf8_lossy(&line)
+                        .trim_end_matches('\n')
+                        .to_string();
                     if send.send(text).is_err() {
                         return;
                     }
@@ -228,7 +233,9 @@ pub fn children_of(parent: i32) -> Vec<(i32, char)> {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        let Some((_, rest)) = stat.rsplit_once(')') else { continue };
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
         let fields: Vec<&str> = rest.split_whitespace().collect();
         if fields.get(1).and_then(|p| p.parse::<i32>().ok()) == Some(parent) {
             found.push((pid, fields[0].chars().next().unwrap_or('?')));
