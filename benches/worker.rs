@@ -6,7 +6,10 @@
 //! - (b) a fresh `python worker_main.py` per call (what agent.py does);
 //! - (c) `fluksio-zygote worker`, a forked child per call;
 //! - floor: `fork` + `_exit` + `waitpid` of a process with as much
-//!   anonymous memory as (c)'s zygote, in 4 KiB pages like Python's heap.
+//!   anonymous memory as (c)'s zygote, in 4 KiB pages like Python's heap;
+//! - for scale, CPython's own `os.fork()` + `os._exit(0)` + `os.waitpid`
+//!   in the same interpreter with the same imports: what any fork of a
+//!   Python process costs before it runs a line of a node.
 //!
 //! Each for a trivial node, bare and with numpy preloaded. Every latency is
 //! request written → reply read, by this one client.
@@ -63,6 +66,7 @@ fn main() {
         let reused = Worker::reference(&python).measure(scenario.source, calls);
         let fresh = fresh_per_call(&python, scenario.source, fresh_calls);
         let floor = fork_floor(anon_kib, calls);
+        let python_fork = python_fork(&python, scenario.preload, calls);
         let ratio = |other: &Stats| other.p50.as_secs_f64() / ours.p50.as_secs_f64();
         let rows = [
             ("(a) reused `worker_main.py`", &reused),
@@ -88,7 +92,31 @@ fn main() {
             ms(floor.mean),
             ours.p50.as_secs_f64() / floor.p50.as_secs_f64()
         );
+        println!(
+            "| {} | for scale: CPython's own os.fork()+os._exit+waitpid | {:.3} | {:.3} | {:.3} | (c) = {:.2}× it |",
+            scenario.name,
+            ms(python_fork.p50),
+            ms(python_fork.p99),
+            ms(python_fork.mean),
+            ours.p50.as_secs_f64() / python_fork.p50.as_secs_f64()
+        );
     }
+}
+
+/// `os.fork()` + `os._exit(0)` + `os.waitpid` timed inside `python`, with
+/// `preload` imported: the cycle every forked Python child pays.
+fn python_fork(python: &PathBuf, preload: &str, calls: usize) -> Stats {
+    let script = format!(
+        "import os, sys, time\n{imports}\nfor i in range({calls}):\n    t = time.perf_counter()\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n    print(time.perf_counter() - t)\n",
+        imports = if preload.is_empty() { String::new() } else { format!("import {preload}") },
+    );
+    let output = Command::new(python).args(["-c", &script]).output().expect("python runs");
+    let samples = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| l.parse::<f64>().ok())
+        .map(Duration::from_secs_f64)
+        .collect();
+    Stats::of(samples)
 }
 
 fn flag(args: &[String], name: &str) -> Option<usize> {

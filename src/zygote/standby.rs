@@ -3,10 +3,10 @@
 //! The issue this solves: forking a Python process and tearing it down is
 //! most of a call's cost (the kernel copying page tables, then the child's
 //! first writes to each shared page). None of that needs the call. So the
-//! zygote keeps one *standby* child, forked from its current state and
+//! zygote keeps *standby* children, forked from its current state and
 //! already set up (its session, its captured output, the after-fork work of
 //! CPython), blocked on a control pipe. A call is written down that pipe and
-//! starts at once; the replacement standby is forked while the call runs, on
+//! starts at once; a replacement standby is forked while the call runs, on
 //! the other core. A child that has replied is killed with its session at
 //! once and reaped later, off the next call's clock.
 //!
@@ -14,6 +14,7 @@
 //! as it is when the call starts: a standby forked before the zygote's
 //! state changed (a node loaded) is discarded, never used.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Instant;
 
@@ -29,6 +30,12 @@ use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
 use super::{SpawnError, Zygote, fork, freeze_gc, plumbing};
 use crate::process::{self, ExitWatch};
 use crate::protocol::{self, Request};
+
+/// How many children wait ready. Two, not one: a child forked during a
+/// call still has its own setup to do (the after-fork work, the rehearsal)
+/// when the next request arrives right behind the reply; the older one has
+/// had a whole call's time for it.
+const STANDBY: usize = 2;
 
 /// A forked child waiting for its call.
 struct Standby {
@@ -47,7 +54,8 @@ struct Standby {
 /// The zygote's children outside of a call being followed.
 #[derive(Default)]
 pub(super) struct Children {
-    standby: Option<Standby>,
+    /// Ready children, oldest (most likely set up) first.
+    standby: VecDeque<Standby>,
     /// Replied (or discarded) children, killed with their sessions, not yet
     /// reaped; their log buffers come back once they are.
     landing: Vec<Landing>,
@@ -105,7 +113,7 @@ impl Children {
 
     /// Ends every child: the standby, and the calls being reaped.
     pub(super) fn shutdown(&mut self) {
-        if let Some(standby) = self.standby.take() {
+        while let Some(standby) = self.standby.pop_front() {
             self.discard(standby);
         }
         for landing in self.landing.drain(..) {
@@ -158,13 +166,11 @@ impl Zygote {
         logs_so_far: Option<LogBuffer>,
     ) -> Result<Flight, SpawnError> {
         self.children.reap_landed();
-        let standby = match self.children.standby.take() {
-            Some(standby) if standby.generation == self.generation => standby,
-            stale => {
-                if let Some(stale) = stale {
-                    self.children.discard(stale);
-                }
-                self.fork_standby(py)?
+        let standby = loop {
+            match self.children.standby.pop_front() {
+                Some(standby) if standby.generation == self.generation => break standby,
+                Some(stale) => self.children.discard(stale),
+                None => break self.fork_standby(py)?,
             }
         };
         if let Some(logs_so_far) = logs_so_far {
@@ -188,18 +194,25 @@ impl Zygote {
         drop(control);
         let flight = Flight::new(pid, lines, logs, Instant::now());
         if assignment.task != Task::Trial {
+            self.replenish(py);
+        }
+        Ok(flight)
+    }
+
+    /// Forks standby children up to [`STANDBY`]: one per call once full, so
+    /// each has a whole call's time to set itself up before it is needed.
+    fn replenish(&mut self, py: Python<'_>) {
+        while self.children.standby.len() < STANDBY {
             match self.fork_standby(py) {
-                Ok(next) => self.children.standby = Some(next),
-                // Recovery is flagged; this call was forked safely before.
-                Err(SpawnError::Unsafe) => {}
-                Err(error) => {
-                    if let SpawnError::Io(error) = error {
-                        tracing::warn!("could not fork a standby child: {error}");
-                    }
+                Ok(next) => self.children.standby.push_back(next),
+                // Recovery is flagged; the call being started forked safely.
+                Err(SpawnError::Unsafe | SpawnError::NotCompiled) => return,
+                Err(SpawnError::Io(error)) => {
+                    tracing::warn!("could not fork a standby child: {error}");
+                    return;
                 }
             }
         }
-        Ok(flight)
     }
 
     /// Forks a child from the zygote as it is now, set up and waiting.
