@@ -108,9 +108,16 @@ fn main() {
 fn python_fork(python: &PathBuf, preload: &str, calls: usize) -> Stats {
     let script = format!(
         "import os, sys, time\n{imports}\nfor i in range({calls}):\n    t = time.perf_counter()\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n    print(time.perf_counter() - t)\n",
-        imports = if preload.is_empty() { String::new() } else { format!("import {preload}") },
+        imports = if preload.is_empty() {
+            String::new()
+        } else {
+            format!("import {preload}")
+        },
     );
-    let output = Command::new(python).args(["-c", &script]).output().expect("python runs");
+    let output = Command::new(python)
+        .args(["-c", &script])
+        .output()
+        .expect("python runs");
     let samples = String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|l| l.parse::<f64>().ok())

@@ -31,6 +31,19 @@ enum Command {
     Worker(WorkerArgs),
     /// Run a node once per grid point, each call in its own child, and summarise
     Sweep(SweepArgs),
+    /// Print the local path of an artifact, fetching and verifying it if needed
+    #[command(
+        after_help = "The store is chosen as node code's is: FLUKSIO_ARTIFACT_DIR, else \
+                            FLUKSIO_ARTIFACT_URL (with FLUKSIO_ARTIFACT_TOKEN, cached under \
+                            FLUKSIO_ARTIFACT_CACHE)."
+    )]
+    Fetch(FetchArgs),
+}
+
+#[derive(Args)]
+struct FetchArgs {
+    /// The artifact's digest: sha256: and 64 lowercase hex digits
+    digest: String,
 }
 
 /// How the zygote starts: which Python, what it imports up front.
@@ -110,6 +123,7 @@ pub fn main() -> ExitCode {
             zygote: args.zygote.options(),
             max_request_bytes: args.max_request_mb.saturating_mul(1 << 20),
         }),
+        Command::Fetch(args) => fetch(&args.digest),
         Command::Sweep(args) => sweep::run(&SweepOptions {
             zygote: args.zygote.options(),
             node: args.node,
@@ -120,16 +134,40 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// `fluksio-zygote fetch DIGEST`: the path on stdout, exit 0; the reason on
+/// stderr, exit 1.
+fn fetch(digest: &str) -> ExitCode {
+    crate::artifacts::take_token();
+    let loaded = crate::artifacts::Digest::parse(digest)
+        .map_err(crate::artifacts::ArtifactError::BadDigest)
+        .and_then(|digest| crate::artifacts::Store::from_env().load(&digest));
+    match loaded {
+        Ok(path) => {
+            println!("{}", path.display());
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("fluksio-zygote fetch: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// `fluksio-zygote PATH/worker_main.py …` is `fluksio-zygote worker …`: the
 /// pool starts `[interpreter, worker_main.py]`, and the binary is the
-/// interpreter.
+/// interpreter. agent.py's `worker_main.py --fetch DIGEST` is `fetch DIGEST`.
 fn rewrite_worker_main(mut args: Vec<OsString>) -> Vec<OsString> {
     let is_worker_main = args.get(1).map(PathBuf::from).is_some_and(|path| {
         path.file_name()
             .is_some_and(|name| name == "worker_main.py")
     });
     if is_worker_main {
-        args[1] = "worker".into();
+        if args.get(2).is_some_and(|a| a == "--fetch") {
+            args.remove(2);
+            args[1] = "fetch".into();
+        } else {
+            args[1] = "worker".into();
+        }
     }
     args
 }
@@ -154,6 +192,20 @@ mod tests {
         let args =
             rewrite_worker_main(vec!["fz".into(), "/x/fluksio_worker/worker_main.py".into()]);
         assert_eq!(args, vec![OsString::from("fz"), OsString::from("worker")]);
+        let args = rewrite_worker_main(vec![
+            "fz".into(),
+            "w/worker_main.py".into(),
+            "--fetch".into(),
+            "sha256:x".into(),
+        ]);
+        assert_eq!(
+            args,
+            vec![
+                OsString::from("fz"),
+                OsString::from("fetch"),
+                OsString::from("sha256:x")
+            ]
+        );
         let args = rewrite_worker_main(vec!["fz".into(), "sweep".into()]);
         assert_eq!(args[1], OsString::from("sweep"));
     }

@@ -5,6 +5,9 @@
 //! the venv, as `worker_main.py`'s `_Reporter` does.
 //!
 //! - `emit(**ports)`: publish on output ports without returning yet.
+//! - `save_artifact(source, name, media_type)` / `load_artifact(ref)`: the
+//!   artifact store (`crate::artifacts`), in Rust, with the GIL released
+//!   while bytes move.
 //! - `logger`: the `fluksio` logger, INFO, not propagated; its records land
 //!   in the call's logs like a print.
 //! - `Port`, `node`, `use`, `Flow`: the authoring API, inert. A node made by
@@ -12,9 +15,17 @@
 //!   flows at the top; those were read at sync time, so here they import and
 //!   do nothing.
 
-use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use std::path::PathBuf;
 
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{
+    PyConnectionError, PyConnectionRefusedError, PyFileNotFoundError, PyOSError, PyPermissionError,
+    PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyMemoryView, PyString, PyTuple};
+
+use crate::artifacts::{ArtifactError, Digest, Source, Store};
 use crate::zygote::channel;
 
 /// Puts the native `fluksio` module into `sys.modules`.
@@ -22,6 +33,8 @@ pub fn install(py: Python<'_>) -> PyResult<()> {
     let module = PyModule::new(py, "fluksio")?;
     module.setattr("__doc__", "Report metrics and progress from inside a node.")?;
     module.add_function(wrap_pyfunction!(emit, &module)?)?;
+    module.add_function(wrap_pyfunction!(save_artifact, &module)?)?;
+    module.add_function(wrap_pyfunction!(load_artifact, &module)?)?;
     module.add_function(wrap_pyfunction!(port, &module)?)?;
     module.add_function(wrap_pyfunction!(node, &module)?)?;
     module.add_function(wrap_pyfunction!(r#use, &module)?)?;
@@ -47,6 +60,136 @@ fn emit(py: Python<'_>, ports: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
         None => PyDict::new(py),
     };
     channel::send_event("emit", outputs.as_any(), "emit() got")
+}
+
+/// Store bytes or a file and return the reference to return onward.
+///
+/// `source` is `bytes`, `bytearray` or a `memoryview`, or a path (`str` or
+/// `os.PathLike`), which is read a chunk at a time. Returns
+/// `{"digest": "sha256:…", "size", "media_type", "name"}`.
+#[pyfunction]
+#[pyo3(signature = (source, name = None, media_type = None))]
+fn save_artifact<'py>(
+    py: Python<'py>,
+    source: &Bound<'py, PyAny>,
+    name: Option<String>,
+    media_type: Option<String>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let media_type = media_type.unwrap_or_else(|| "application/octet-stream".into());
+    let name = name.filter(|n| !n.is_empty());
+    // Read with the GIL held: a node's thread may be changing os.environ.
+    let store = Store::from_env();
+    let is_bytes_like = source.is_instance_of::<PyBytes>()
+        || source.is_instance_of::<PyByteArray>()
+        || source.is_instance_of::<PyMemoryView>();
+    let (saved, name) = if is_bytes_like {
+        let buffer = match PyBuffer::<u8>::get(source) {
+            Ok(buffer) if buffer.is_c_contiguous() => buffer,
+            // A strided or typed view: its bytes, copied once.
+            _ => PyBuffer::<u8>::get(&py.import("builtins")?.getattr("bytes")?.call1((source,))?)?,
+        };
+        // SAFETY: the buffer is C-contiguous and stays exported (its object
+        // alive, a bytearray unresizable) until `buffer` drops, after this.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes())
+        };
+        let saved = py.detach(|| {
+            store.save(
+                Source::Bytes(bytes),
+                name.as_deref().unwrap_or("artifact.bin"),
+                &media_type,
+            )
+        });
+        drop(buffer);
+        (saved, name.unwrap_or_else(|| "artifact.bin".into()))
+    } else if source.is_instance_of::<PyString>() || source.hasattr("__fspath__")? {
+        let path: PathBuf = py
+            .import("os")?
+            .call_method1("fsdecode", (source,))?
+            .extract::<String>()?
+            .into();
+        let name = name.unwrap_or_else(|| {
+            path.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        });
+        (
+            py.detach(|| store.save(Source::File(&path), &name, &media_type)),
+            name,
+        )
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "save_artifact takes bytes, a bytearray, a memoryview or a path, not {}",
+            source.get_type().name()?
+        )));
+    };
+    let saved = saved.map_err(to_python)?;
+    let reference = PyDict::new(py);
+    reference.set_item("digest", saved.digest.to_string())?;
+    reference.set_item("size", saved.size)?;
+    reference.set_item("media_type", media_type)?;
+    reference.set_item("name", name)?;
+    Ok(reference)
+}
+
+/// Fetch an artifact and hand back a local path to read it from. `ref` is
+/// the dict `save_artifact` returned, or its digest alone.
+#[pyfunction]
+#[pyo3(signature = (r#ref))]
+fn load_artifact(py: Python<'_>, r#ref: &Bound<'_, PyAny>) -> PyResult<String> {
+    let text = if let Ok(text) = r#ref.cast::<PyString>() {
+        text.to_string()
+    } else if r#ref.hasattr("get")? {
+        r#ref
+            .call_method1("get", ("digest",))?
+            .str()
+            .map(|s| s.to_string())
+            .unwrap_or_default()
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "load_artifact takes an artifact reference (the dict save_artifact returned) or its digest, not {}",
+            r#ref.get_type().name()?
+        )));
+    };
+    let digest = Digest::parse(&text).map_err(PyValueError::new_err)?;
+    let store = Store::from_env();
+    let path = py.detach(|| store.load(&digest)).map_err(to_python)?;
+    Ok(path.to_string_lossy().into_owned())
+}
+
+/// The Python exception a node author would catch for each failure.
+fn to_python(error: ArtifactError) -> PyErr {
+    let message = error.to_string();
+    match error {
+        ArtifactError::BadDigest(_) | ArtifactError::Mismatch { .. } => {
+            PyValueError::new_err(message)
+        }
+        ArtifactError::NoStore | ArtifactError::Unreachable(_) => PyRuntimeError::new_err(message),
+        ArtifactError::NotFound { .. } => PyFileNotFoundError::new_err(message),
+        ArtifactError::Refused { .. } => PyPermissionError::new_err(message),
+        ArtifactError::Status { .. } => PyConnectionError::new_err(message),
+        ArtifactError::Timeout { .. } => PyTimeoutError::new_err(message),
+        ArtifactError::Connection { refused: true, .. } => {
+            PyConnectionRefusedError::new_err(message)
+        }
+        ArtifactError::Connection { .. } => PyConnectionError::new_err(message),
+        // As `open()` raises it: OSError picks the subclass from errno.
+        ArtifactError::Io { error, path, .. } => match error.raw_os_error() {
+            Some(errno) => {
+                PyOSError::new_err((errno, strerror(errno), path.to_string_lossy().into_owned()))
+            }
+            None => PyOSError::new_err(message),
+        },
+    }
+}
+
+/// The C library's text for `errno`, as `OSError` shows it.
+fn strerror(errno: i32) -> String {
+    // SAFETY: strerror returns a valid C string for any errno; it is copied
+    // at once (the zygote and its children call it from one thread).
+    unsafe { std::ffi::CStr::from_ptr(libc::strerror(errno)) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// A port declaration, already read by `fluksio sync`.

@@ -12,6 +12,7 @@
 //! [`zygote`] is the fork server, [`fluksio`] the module node code imports,
 //! [`protocol`] the wire types, [`process`] how children end.
 
+pub mod artifacts;
 pub mod cli;
 pub mod fluksio;
 pub mod process;

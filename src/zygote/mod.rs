@@ -95,6 +95,7 @@ impl From<PyErr> for StartupError {
 /// fork; afterwards use `Python::attach` as usual.
 pub fn boot(options: &ZygoteOptions) -> Result<(), StartupError> {
     fork::install_census();
+    crate::artifacts::take_token();
     let config = InterpreterConfig {
         python: options.python.clone(),
     };

@@ -55,11 +55,13 @@ pub fn reexec(resume: &Resume) -> std::io::Error {
             }
             let mut args = std::env::args_os();
             let arg0 = args.next().unwrap_or_else(|| "fluksio-zygote".into());
-            std::process::Command::new("/proc/self/exe")
+            let mut command = std::process::Command::new("/proc/self/exe");
+            command
                 .arg0(arg0)
                 .args(args)
-                .env(RESUME_ENV, record.as_raw_fd().to_string())
-                .exec()
+                .env(RESUME_ENV, record.as_raw_fd().to_string());
+            crate::artifacts::reinstate_token_for(&mut command);
+            command.exec()
         }
         Err(error) => error,
     }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod artifact_server;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -59,8 +61,20 @@ impl Worker {
     }
 
     pub fn reference() -> Worker {
+        Worker::reference_with(&[])
+    }
+
+    /// Ours, with these environment variables set.
+    pub fn zygote_with(args: &[&str], env: &[(&str, &str)]) -> Worker {
+        let mut command = Command::new(ZYGOTE);
+        command.arg("worker").args(args).envs(env.iter().copied());
+        Worker::spawn(command)
+    }
+
+    /// The reference, with these environment variables set.
+    pub fn reference_with(env: &[(&str, &str)]) -> Worker {
         let mut command = Command::new(python());
-        command.arg(worker_main());
+        command.arg(worker_main()).envs(env.iter().copied());
         Worker::spawn(command)
     }
 
@@ -197,6 +211,14 @@ pub fn run(id: i64, node: &str, source: &str, kwargs: Value) -> Value {
 
 pub fn compile(id: i64, node: &str, source: &str) -> Value {
     serde_json::json!({"id": id, "op": "compile", "flow": "t", "node": node, "source": source})
+}
+
+/// A fresh, empty directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("fz-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    dir
 }
 
 /// Whether `pid` is gone: no such process, or a zombie nobody reaped yet.
