@@ -31,6 +31,11 @@ enum Command {
     Worker(WorkerArgs),
     /// Run a node once per grid point, each call in its own child, and summarise
     Sweep(SweepArgs),
+    /// Run nodes for a Fluksio engine on this machine, connecting out to it (a drop-in for fluksio-worker)
+    Agent(Box<AgentArgs>),
+    /// (internal) The zygote an agent starts, serving it over a Unix socket
+    #[command(hide = true)]
+    Zygote(ZygoteLinkArgs),
     /// Print the local path of an artifact, fetching and verifying it if needed
     #[command(
         after_help = "The store is chosen as node code's is: FLUKSIO_ARTIFACT_DIR, else \
@@ -38,6 +43,77 @@ enum Command {
                             FLUKSIO_ARTIFACT_CACHE)."
     )]
     Fetch(FetchArgs),
+}
+
+#[derive(Args)]
+struct AgentArgs {
+    /// The engine's worker endpoint: wss://…/api/v1/workers/attach
+    #[arg(long)]
+    url: String,
+
+    /// Issued by POST /api/v1/workers/tokens; sent as a bearer header, never in the URL
+    #[arg(long, env = "FLUKSIO_WORKER_TOKEN", hide_env_values = true, default_value = "")]
+    token: String,
+
+    /// This worker's name [default: the host name]
+    #[arg(long)]
+    name: Option<String>,
+
+    /// Comma-separated, e.g. gpu,cuda12: what a node's worker matches
+    #[arg(long, default_value = "")]
+    labels: String,
+
+    /// Calls the engine may send at once
+    #[arg(long, default_value_t = 1)]
+    parallel: u32,
+
+    /// The artifact store [default: beside --url: ws→http, /workers/attach → /artifacts]
+    #[arg(long, default_value = "")]
+    artifact_url: String,
+
+    /// The address the engine reaches this machine's services on
+    /// [default: the address the engine sees this worker connect from]
+    #[arg(long, default_value = "")]
+    service_host: String,
+
+    /// Allow ws:// and http:// to an engine off this machine: the token and every secret a
+    /// node is handed then cross the network in clear
+    #[arg(long)]
+    insecure: bool,
+
+    /// Cores to advertise [default: what the job or the machine has]
+    #[arg(long)]
+    cpus: Option<u64>,
+
+    /// GPUs to advertise [default: SLURM's or FLUKSIO_WORKER_GPUS, else /dev/nvidia* counted]
+    #[arg(long)]
+    gpus: Option<u64>,
+
+    /// Memory in MB to advertise [default: what the job or the machine has]
+    #[arg(long)]
+    ram_mb: Option<u64>,
+
+    /// Stop after this many seconds with nothing running, for a worker a batch job started
+    /// [default: never]
+    #[arg(long, default_value_t = 0.0)]
+    max_idle: f64,
+
+    /// A PEM file of CA certificates to trust besides the system's, for a private engine
+    #[arg(long, value_name = "PATH")]
+    ca_cert: Option<PathBuf>,
+
+    #[command(flatten)]
+    zygote: ZygoteArgs,
+}
+
+#[derive(Args)]
+struct ZygoteLinkArgs {
+    /// The inherited Unix socket to the agent
+    #[arg(long)]
+    link_fd: i32,
+
+    #[command(flatten)]
+    zygote: ZygoteArgs,
 }
 
 #[derive(Args)]
@@ -124,6 +200,31 @@ pub fn main() -> ExitCode {
             max_request_bytes: args.max_request_mb.saturating_mul(1 << 20),
         }),
         Command::Fetch(args) => fetch(&args.digest),
+        Command::Agent(args) => crate::agent::run(crate::agent::AgentOptions {
+            url: args.url,
+            token: args.token,
+            name: args.name.unwrap_or_else(|| {
+                nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default()
+            }),
+            labels: args
+                .labels
+                .split(',')
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(str::to_string)
+                .collect(),
+            zygote: args.zygote.options(),
+            parallel: args.parallel,
+            artifact_url: args.artifact_url,
+            service_host: args.service_host,
+            insecure: args.insecure,
+            cpus: args.cpus,
+            gpus: args.gpus,
+            ram_mb: args.ram_mb,
+            max_idle: args.max_idle,
+            ca_cert: args.ca_cert,
+        }),
+        Command::Zygote(args) => crate::zygote::server::run(&args.zygote.options(), args.link_fd),
         Command::Sweep(args) => sweep::run(&SweepOptions {
             zygote: args.zygote.options(),
             node: args.node,

@@ -12,9 +12,11 @@
 //! [`zygote`] is the fork server, [`fluksio`] the module node code imports,
 //! [`protocol`] the wire types, [`process`] how children end.
 
+pub mod agent;
 pub mod artifacts;
 pub mod cli;
 pub mod fluksio;
+pub mod link;
 pub mod process;
 pub mod protocol;
 pub mod sweep;

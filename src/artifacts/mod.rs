@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use digest::{DIGEST_RULE, Digest};
-pub use token::{TOKEN_ENV, reinstate_token_for, take_token};
+pub use token::{TOKEN_ENV, reinstate_token_for, take_token, use_token};
 
 pub const DIR_ENV: &str = "FLUKSIO_ARTIFACT_DIR";
 pub const URL_ENV: &str = "FLUKSIO_ARTIFACT_URL";
@@ -162,17 +162,22 @@ enum Location {
 
 impl Store {
     pub fn from_env() -> Store {
-        let set = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+        Store::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// The store another environment would see (a service's, in the agent).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Store {
+        let set = |name: &str| var(name).filter(|v| !v.is_empty());
         let location = match (set(DIR_ENV), set(URL_ENV)) {
             (Some(dir), _) => Location::Directory(PathBuf::from(dir)),
-            (None, Some(url)) => Location::Http(url.to_string_lossy().into_owned()),
+            (None, Some(url)) => Location::Http(url),
             (None, None) => Location::Nowhere,
         };
         let cache = set(CACHE_ENV)
             .map(PathBuf::from)
             .unwrap_or_else(|| std::env::temp_dir().join("fluksio-artifacts"));
         let timeout = set(TIMEOUT_ENV)
-            .and_then(|v| v.to_str()?.parse::<f64>().ok())
+            .and_then(|v| v.parse::<f64>().ok())
             .filter(|s| *s > 0.0)
             .map(Duration::from_secs_f64)
             .unwrap_or(DEFAULT_TIMEOUT);

@@ -25,6 +25,11 @@ pub fn take_token() {
     let _ = TOKEN.set(token);
 }
 
+/// Uses `token` for the artifact store (the agent's own worker token).
+pub fn use_token(token: &str) {
+    let _ = TOKEN.set(Some(token.to_string()).filter(|t| !t.is_empty()));
+}
+
 /// The token, if this process was given one.
 pub fn token() -> Option<&'static str> {
     TOKEN.get().and_then(|t| t.as_deref())

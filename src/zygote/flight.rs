@@ -25,6 +25,8 @@ pub trait CallOutput {
     fn event(&mut self, line: &[u8]);
     /// The reply: the last line of the call.
     fn reply(&mut self, line: &[u8]);
+    /// A child was forked for the call (a trial, then the run, say).
+    fn started(&mut self, _pid: Pid) {}
 }
 
 /// How big a read from a child's pipe is: replies of megabytes are normal.
@@ -67,6 +69,13 @@ impl Flight {
             logs: Some(logs),
             started,
         }
+    }
+
+    /// Gives the pipe away: its lines are read elsewhere (by the agent).
+    pub fn take_pipe(&mut self) -> Option<OwnedFd> {
+        let pipe = self.pipe.take()?;
+        plumbing::forget(pipe.as_raw_fd());
+        Some(pipe)
     }
 
     /// What to poll for this flight's lines: its pipe, while open.

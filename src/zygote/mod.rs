@@ -26,6 +26,7 @@ pub mod interpreter;
 pub mod node;
 pub mod plumbing;
 pub mod recovery;
+pub mod server;
 mod standby;
 
 use std::collections::HashMap;
@@ -198,10 +199,35 @@ impl Zygote {
         request: &Request,
         out: &mut dyn CallOutput,
     ) -> Result<(), MustRecover> {
-        match self.serve_request(py, request, out) {
+        self.serve_maybe_detached(py, request, out, false).map(|_| ())
+    }
+
+    /// Serves one request as [`Zygote::serve`] does, except a run: once its
+    /// child is started, its flight is returned for the caller to follow
+    /// (the agent reads its pipe); compiles are served whole.
+    pub fn serve_detached(
+        &mut self,
+        py: Python<'_>,
+        request: &Request,
+        out: &mut dyn CallOutput,
+    ) -> Result<Option<Flight>, MustRecover> {
+        self.serve_maybe_detached(py, request, out, true)
+    }
+
+    fn serve_maybe_detached(
+        &mut self,
+        py: Python<'_>,
+        request: &Request,
+        out: &mut dyn CallOutput,
+        detach: bool,
+    ) -> Result<Option<Flight>, MustRecover> {
+        match self.serve_request(py, request, out, detach) {
             Err(Stop::Recover) => Err(MustRecover { answered: false }),
-            _ if self.needs_recovery => Err(MustRecover { answered: true }),
-            _ => Ok(()),
+            Ok(flight) if !self.needs_recovery => Ok(flight),
+            Err(Stop::Answered) if !self.needs_recovery => Ok(None),
+            // A detached flight is still the caller's to follow.
+            Ok(Some(flight)) => Ok(Some(flight)),
+            _ => Err(MustRecover { answered: true }),
         }
     }
 
@@ -210,7 +236,8 @@ impl Zygote {
         py: Python<'_>,
         request: &Request,
         out: &mut dyn CallOutput,
-    ) -> Result<(), Stop> {
+        detach: bool,
+    ) -> Result<Option<Flight>, Stop> {
         let digest = node::source_digest(&request.source);
         let assignment = |task| Assignment::for_request(request, task, &digest);
 
@@ -219,7 +246,7 @@ impl Zygote {
             // away the published source later calls are served from.
             let landed = self.call_to_end(py, &assignment(Task::Check), None, out)?;
             self.children.recycle(landed.logs);
-            return Ok(());
+            return Ok(None);
         }
 
         let key = NodeKey {
@@ -230,7 +257,7 @@ impl Zygote {
         let mut trial_logs = None;
         if current && request.op == Op::Compile {
             out.reply(&protocol::compiled_reply(&request.id, &request.call_id));
-            return Ok(());
+            return Ok(None);
         }
         if !current {
             // Load it, as the reference loads an uncached node on compile and
@@ -267,7 +294,7 @@ impl Zygote {
             if request.op == Op::Compile || !loaded {
                 out.reply(&held.line);
                 self.children.recycle(landed.logs);
-                return Ok(());
+                return Ok(None);
             }
             if self.needs_recovery {
                 self.children.recycle(landed.logs);
@@ -275,19 +302,16 @@ impl Zygote {
             }
             trial_logs = Some(landed.logs);
         }
-        self.run(py, &assignment(Task::Run), trial_logs, out)
+        let flight = self.start(py, &assignment(Task::Run), trial_logs, out)?;
+        if detach {
+            return Ok(Some(flight));
+        }
+        self.run(&assignment(Task::Run), flight, out).map(|()| None)
     }
 
     /// A run: its lines out as they come; once it has replied, its session
     /// is killed and it is reaped later, off the next call's clock.
-    fn run(
-        &mut self,
-        py: Python<'_>,
-        assignment: &Assignment,
-        logs_so_far: Option<LogBuffer>,
-        out: &mut dyn CallOutput,
-    ) -> Result<(), Stop> {
-        let mut flight = self.start(py, assignment, logs_so_far, out)?;
+    fn run(&mut self, assignment: &Assignment, mut flight: Flight, out: &mut dyn CallOutput) -> Result<(), Stop> {
         match flight.follow_to_reply(out) {
             Ok(true) => {
                 self.children.land_later(flight);
@@ -324,7 +348,10 @@ impl Zygote {
         out: &mut dyn CallOutput,
     ) -> Result<Flight, Stop> {
         match self.dispatch(py, assignment, logs_so_far) {
-            Ok(flight) => Ok(flight),
+            Ok(flight) => {
+                out.started(flight.pid);
+                Ok(flight)
+            }
             Err(SpawnError::Unsafe | SpawnError::NotCompiled) => Err(Stop::Recover),
             Err(SpawnError::Io(error)) => {
                 let message = format!("could not start the node's process: {error}");
@@ -484,6 +511,12 @@ impl Zygote {
                 self.remember(&key, &resumed.source, &digest, Residence::EachChild);
             }
         }
+    }
+
+    /// Whether forking became unsafe: the zygote must restart before it
+    /// serves anything else.
+    pub fn needs_recovery(&self) -> bool {
+        self.needs_recovery
     }
 
     /// Ends every child still around: the standby, and calls being reaped.

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod artifact_server;
+pub mod engine;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

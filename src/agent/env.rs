@@ -1,0 +1,107 @@
+//! What node code's environment holds, and the rules about URLs.
+
+use std::collections::BTreeMap;
+
+/// Environment node code is not given: the engine's own lists. `SECRET_KEY`
+/// decrypts every stored secret; a `*_TOKEN` is somebody's credential.
+const DENY_PREFIXES: [&str; 3] = ["DATABASE_URL", "FIRST_SUPERUSER", "SENTRY_DSN"];
+const DENY_WORDS: [&str; 3] = ["PASSWORD", "SECRET", "TOKEN"];
+
+/// Whether `key` may reach node code.
+pub fn allowed(key: &str) -> bool {
+    let upper = key.to_uppercase();
+    !DENY_PREFIXES.iter().any(|p| key.starts_with(p)) && !DENY_WORDS.iter().any(|w| upper.contains(w))
+}
+
+/// This host's environment with its credentials taken out, plus where the
+/// artifact store is. Not a sandbox: node code runs as the same user.
+pub fn node_env(artifact_url: &str) -> BTreeMap<String, String> {
+    let mut env: BTreeMap<String, String> = std::env::vars().filter(|(key, _)| allowed(key)).collect();
+    env.insert(crate::artifacts::URL_ENV.into(), artifact_url.into());
+    env
+}
+
+/// Engine-assigned device numbers, read as positions in the mask this agent
+/// runs under (a batch scheduler's `CUDA_VISIBLE_DEVICES=2,3`: the engine,
+/// counting from this agent's inventory, asks for device 0).
+pub fn remap_cuda(mask: &str, requested: &str) -> String {
+    let devices: Vec<&str> = mask.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+    requested
+        .split(',')
+        .map(str::trim)
+        .filter(|part| !part.is_empty())
+        .map(|part| {
+            part.parse::<usize>()
+                .ok()
+                .and_then(|i| devices.get(i))
+                .map(|d| d.to_string())
+                .unwrap_or_else(|| part.to_string())
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The artifact endpoint beside the socket, so one URL configures both.
+pub fn artifacts_from(url: &str) -> String {
+    let base = url.replacen("wss://", "https://", 1).replacen("ws://", "http://", 1);
+    let base = match base.rsplit_once("/workers/attach") {
+        Some((before, _)) => before.to_string(),
+        None => base,
+    };
+    format!("{base}/artifacts")
+}
+
+/// Whether the token and node secrets sent to `url` stay off the wire:
+/// TLS, or this machine.
+pub fn encrypted_or_local(url: &str) -> bool {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return false;
+    };
+    if matches!(scheme, "wss" | "https") {
+        return true;
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    let host = if let Some(bracketed) = authority.strip_prefix('[') {
+        bracketed.split(']').next().unwrap_or("")
+    } else {
+        authority.split(':').next().unwrap_or("")
+    };
+    host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_never_reach_node_code() {
+        for key in ["SECRET_KEY", "DATABASE_URL_RO", "MY_API_TOKEN", "db_password", "FLUKSIO_WORKER_TOKEN", "FLUKSIO_ARTIFACT_TOKEN", "SENTRY_DSN"] {
+            assert!(!allowed(key), "{key}");
+        }
+        for key in ["PATH", "HOME", "CUDA_VISIBLE_DEVICES", "LANG"] {
+            assert!(allowed(key), "{key}");
+        }
+    }
+
+    #[test]
+    fn cuda_indices_are_positions_in_the_mask() {
+        assert_eq!(remap_cuda("2,3", "0"), "2");
+        assert_eq!(remap_cuda("2,3", "1,0"), "3,2");
+        assert_eq!(remap_cuda("2,3", "5"), "5");
+        assert_eq!(remap_cuda("GPU-a,GPU-b", "1"), "GPU-b");
+    }
+
+    #[test]
+    fn urls_as_agent_py_reads_them() {
+        assert_eq!(artifacts_from("wss://e.example/api/v1/workers/attach"), "https://e.example/api/v1/artifacts");
+        assert_eq!(artifacts_from("ws://127.0.0.1:8000/api/v1/workers/attach"), "http://127.0.0.1:8000/api/v1/artifacts");
+        assert!(encrypted_or_local("wss://e.example/x"));
+        assert!(encrypted_or_local("ws://localhost:8000/x"));
+        assert!(encrypted_or_local("ws://127.0.0.1/x"));
+        assert!(encrypted_or_local("ws://[::1]:80/x"));
+        assert!(!encrypted_or_local("ws://10.0.0.5:8000/x"));
+        assert!(!encrypted_or_local("http://e.example/x"));
+        assert!(!encrypted_or_local("ws://localhost.evil.example/x"));
+    }
+}

@@ -1,0 +1,272 @@
+//! `fluksio-zygote agent`: the remote worker, protocol 3 to the engine.
+//!
+//! What `fluksio-worker` (agent.py) does, with the same flags, except that
+//! each call is a fork of a warm zygote instead of a fresh Python process.
+//!
+//! 1. Check the flags (a token; `ws://` off this machine only with
+//!    `--insecure`), then start the zygote, which preloads while the socket
+//!    connects; calls that arrive before it is ready wait for it.
+//! 2. Connect, `hello`, `welcome`, serve (`session`). An error reconnects
+//!    after 1, 2, 4 … 30 s; a clean close at once; a refusal (a first answer
+//!    that is not `welcome`, an HTTP 401/403) stops the agent, exit 1.
+//! 3. SIGTERM or Ctrl-C: every call ends, exit 0. `--max-idle`: the same
+//!    once nothing has run for that long.
+
+mod call;
+mod env;
+mod hello;
+mod service;
+mod session;
+mod tls;
+mod zygote;
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OnceCell, watch};
+
+use crate::zygote::ZygoteOptions;
+use session::SessionEnd;
+use zygote::{Launch, Zygote};
+
+/// Sent while a call is running, so the engine can tell working from wedged.
+const HEARTBEAT: Duration = Duration::from_secs(10);
+/// For tests: a shorter heartbeat, in seconds.
+const HEARTBEAT_ENV: &str = "FLUKSIO_AGENT_HEARTBEAT_S";
+/// Reconnection backs off to this and no further.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The agent's flags, as agent.py's.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    pub url: String,
+    pub token: String,
+    pub name: String,
+    pub labels: Vec<String>,
+    pub zygote: ZygoteOptions,
+    pub parallel: u32,
+    pub artifact_url: String,
+    pub service_host: String,
+    pub insecure: bool,
+    pub cpus: Option<u64>,
+    pub gpus: Option<u64>,
+    pub ram_mb: Option<u64>,
+    pub max_idle: f64,
+    pub ca_cert: Option<std::path::PathBuf>,
+}
+
+/// What the whole agent shares, across sessions.
+pub struct Agent {
+    options: AgentOptions,
+    tls: Arc<rustls::ClientConfig>,
+    /// Node code's environment: the host's minus credentials, plus the
+    /// artifact store's URL.
+    node_env: BTreeMap<String, String>,
+    /// `CUDA_VISIBLE_DEVICES` this agent runs under, to remap a call's.
+    cuda_mask: Option<String>,
+    launch: Launch,
+    zygote: tokio::sync::Mutex<Option<Arc<Zygote>>>,
+    venv_digest: OnceCell<String>,
+    heartbeat: Duration,
+    active: AtomicUsize,
+    last_done: Mutex<Instant>,
+    /// Why the agent must stop (a zygote that cannot start).
+    fatal: Mutex<Option<String>>,
+    stop: watch::Sender<bool>,
+}
+
+impl Agent {
+    /// The zygote, started (again) if it is not running. A zygote that
+    /// fails to start stops the agent with its error.
+    async fn zygote(&self) -> Result<Arc<Zygote>, String> {
+        let mut slot = self.zygote.lock().await;
+        if let Some(zygote) = slot.as_ref().filter(|z| z.alive()) {
+            return Ok(Arc::clone(zygote));
+        }
+        if slot.is_some() {
+            tracing::warn!("the zygote ended; starting a new one");
+        }
+        match Zygote::start(&self.launch).await {
+            Ok(zygote) => {
+                *slot = Some(Arc::clone(&zygote));
+                Ok(zygote)
+            }
+            Err(why) => {
+                let why = format!("the zygote could not start: {why}");
+                *self.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.clone());
+                let _ = self.stop.send(true);
+                Err(why)
+            }
+        }
+    }
+
+    /// `pip freeze`'s digest, computed once, off the runtime.
+    async fn venv_digest(&self) -> String {
+        let python = self.options.zygote.python.clone();
+        self.venv_digest
+            .get_or_init(|| async move {
+                tokio::task::spawn_blocking(move || hello::venv_digest(&python))
+                    .await
+                    .unwrap_or_default()
+            })
+            .await
+            .clone()
+    }
+
+    fn call_started(&self) {
+        self.active.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn call_ended(&self) {
+        self.active.fetch_sub(1, Ordering::SeqCst);
+        self.touch();
+    }
+
+    fn touch(&self) {
+        *self.last_done.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    /// How often to look for `--max-idle`, if it is set.
+    fn idle_tick(&self) -> Option<Duration> {
+        (self.options.max_idle > 0.0).then(|| Duration::from_secs_f64((self.options.max_idle / 4.0).clamp(0.25, 30.0)))
+    }
+
+    fn idle_past_limit(&self) -> bool {
+        self.options.max_idle > 0.0
+            && self.active.load(Ordering::SeqCst) == 0
+            && self.last_done.lock().unwrap_or_else(|e| e.into_inner()).elapsed().as_secs_f64() >= self.options.max_idle
+    }
+}
+
+/// Why the flags cannot work; printed as is, exit 2.
+pub fn check(options: &AgentOptions) -> Result<(), String> {
+    if options.token.is_empty() {
+        return Err("a token is required (--token or FLUKSIO_WORKER_TOKEN)".into());
+    }
+    for url in [&options.url, &options.artifact_url] {
+        if !url.is_empty() && !options.insecure && !env::encrypted_or_local(url) {
+            return Err(format!(
+                "{url} is not encrypted: use wss:// (https:// for --artifact-url), or --insecure on a network you trust"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Runs the agent until it is stopped, idles out or is refused.
+pub fn run(options: AgentOptions) -> ExitCode {
+    if let Err(why) = check(&options) {
+        eprintln!("fluksio-zygote agent: {why}");
+        return ExitCode::from(2);
+    }
+    let tls = match tls::client_config(options.ca_cert.as_deref()) {
+        Ok(tls) => tls,
+        Err(why) => {
+            eprintln!("fluksio-zygote agent: {why}");
+            return ExitCode::from(2);
+        }
+    };
+    // One thread: enough for sockets and pipes, and what a service is
+    // started from (its parent-death signal follows the starting thread).
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("fluksio-zygote agent: could not start: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(serve(options, tls))
+}
+
+async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCode {
+    crate::artifacts::use_token(&options.token);
+    let artifact_url = if options.artifact_url.is_empty() {
+        env::artifacts_from(&options.url)
+    } else {
+        options.artifact_url.clone()
+    };
+    let node_env = env::node_env(&artifact_url);
+    let heartbeat = std::env::var(HEARTBEAT_ENV)
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .map_or(HEARTBEAT, Duration::from_secs_f64);
+    let (stop, stopping) = watch::channel(false);
+    let agent = Arc::new(Agent {
+        launch: Launch {
+            python: options.zygote.python.clone(),
+            preload: options.zygote.preload.clone(),
+            env: node_env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            token: options.token.clone(),
+        },
+        cuda_mask: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
+        options,
+        tls,
+        node_env,
+        zygote: tokio::sync::Mutex::new(None),
+        venv_digest: OnceCell::new(),
+        heartbeat,
+        active: AtomicUsize::new(0),
+        last_done: Mutex::new(Instant::now()),
+        fatal: Mutex::new(None),
+        stop,
+    });
+    // Preloading runs while the socket connects.
+    let preloading = Arc::clone(&agent);
+    tokio::spawn(async move {
+        let _ = preloading.zygote().await;
+    });
+    let stopper = agent.stop.clone();
+    tokio::spawn(async move {
+        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = async { match terminate.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+        }
+        tracing::info!("stopping");
+        let _ = stopper.send(true);
+    });
+
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        let end = session::run(&agent, stopping.clone()).await;
+        if let Some(why) = agent.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            tracing::error!("{why}");
+            return ExitCode::FAILURE;
+        }
+        match end {
+            SessionEnd::Closed => {
+                tracing::info!("the engine closed the connection; reconnecting");
+                backoff = Duration::from_secs(1);
+            }
+            SessionEnd::Failed(why) => {
+                tracing::warn!("disconnected: {why} — retrying in {}s", backoff.as_secs());
+                let mut stopping = stopping.clone();
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stopping.wait_for(|stop| *stop) => {}
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+            SessionEnd::Refused(why) => {
+                tracing::error!("the engine refused this worker: {why}");
+                return ExitCode::FAILURE;
+            }
+            SessionEnd::Idle => {
+                tracing::info!("nothing to do for {}s — stopping", agent.options.max_idle);
+                return ExitCode::SUCCESS;
+            }
+            SessionEnd::Stopped => return ExitCode::SUCCESS,
+        }
+        if *stopping.borrow() {
+            if let Some(why) = agent.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                tracing::error!("{why}");
+                return ExitCode::FAILURE;
+            }
+            return ExitCode::SUCCESS;
+        }
+    }
+}

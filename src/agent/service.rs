@@ -1,0 +1,173 @@
+//! `serve`: a service node's command (a model server, say), kept running
+//! until it exits or the engine ends the call.
+//!
+//! Not Python and not the zygote's: an `argv` run in its own session, with
+//! node code's environment, what it prints going to this agent's log (the
+//! last of it kept, to say why it ended). `{weights}` in the argv becomes the
+//! local path of an artifact, fetched and verified before the start.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::value::RawValue;
+use tokio::io::AsyncReadExt;
+use tokio::sync::oneshot;
+
+use super::Agent;
+use super::call::text_of;
+use super::session::Session;
+use crate::artifacts::{Digest, Store};
+
+/// How long a stopped service gets to shut down before its group is killed.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+/// How much of what a service printed last is kept, to say why it ended.
+const TAIL_BYTES: usize = 4096;
+
+/// Runs one service to its end, then says why it ended.
+pub async fn serve(agent: Arc<Agent>, session: Arc<Session>, request: BTreeMap<String, Box<RawValue>>, stop: oneshot::Receiver<()>) {
+    let started = Instant::now();
+    let call_id = text_of(request.get("call_id"));
+    tracing::info!(call = %call_id, "serve started");
+    let heartbeat = session.heartbeat(&call_id);
+    let reason = run(&agent, &request, stop).await;
+    heartbeat.abort();
+    session.services.lock().unwrap_or_else(|e| e.into_inner()).remove(&call_id);
+    agent.call_ended();
+    tracing::info!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "serve ended: {reason}");
+    let reply = serde_json::json!({
+        "call_id": call_id,
+        "ok": false,
+        "error": {"type": "ServiceStopped", "message": reason, "short": reason, "traceback": ""},
+    });
+    session.send_raw(reply.to_string().as_bytes()).await;
+}
+
+async fn run(agent: &Agent, request: &BTreeMap<String, Box<RawValue>>, mut stop: oneshot::Receiver<()>) -> String {
+    let argv: Vec<String> = match request.get("argv").map(|raw| serde_json::from_str::<Vec<serde_json::Value>>(raw.get())) {
+        Some(Ok(parts)) if !parts.is_empty() => parts
+            .into_iter()
+            .map(|p| match p {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            })
+            .collect(),
+        _ => return "ValueError: a serve call needs a non-empty argv".into(),
+    };
+    let mut env: BTreeMap<String, String> = agent.node_env.clone();
+    if let Some(Ok(extra)) = request.get("env").map(|raw| serde_json::from_str::<BTreeMap<String, serde_json::Value>>(raw.get())) {
+        for (key, value) in extra {
+            let value = match value {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            env.insert(key, value);
+        }
+    }
+    let weights = text_of(request.get("weights"));
+    let argv = if weights.is_empty() {
+        argv
+    } else {
+        let fetched = match Digest::parse(&weights) {
+            Ok(digest) => {
+                let store = Store::from_vars(|name| env.get(name).cloned());
+                tokio::task::spawn_blocking(move || store.load(&digest).map_err(|e| e.to_string()))
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
+            }
+            Err(why) => Err(why),
+        };
+        match fetched {
+            Ok(path) => {
+                let path = path.display().to_string();
+                argv.into_iter().map(|part| part.replace("{weights}", &path)).collect()
+            }
+            Err(why) => return format!("RuntimeError: could not fetch {weights}: {why}"),
+        }
+    };
+
+    let mut command = std::process::Command::new(&argv[0]);
+    command
+        .args(&argv[1..])
+        .env_clear()
+        .envs(&env)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        let agent_pid = libc::getpid();
+        command.pre_exec(move || {
+            libc::setsid();
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+            if libc::getppid() != agent_pid {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    let mut child = match tokio::process::Command::from(command).spawn() {
+        Ok(child) => child,
+        Err(error) => return format!("{}: {error}", io_kind_name(&error)),
+    };
+    let pid = child.id().unwrap_or(0) as i32;
+    let (mut stdout, mut stderr) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
+    let mut tail: Vec<u8> = Vec::new();
+    let mut open = (true, true);
+    let (mut out_buffer, mut err_buffer) = (vec![0u8; 65536], vec![0u8; 65536]);
+    let status = loop {
+        tokio::select! {
+            read = stdout.read(&mut out_buffer), if open.0 => match read {
+                Ok(0) | Err(_) => open.0 = false,
+                Ok(n) => keep(&mut tail, &out_buffer[..n]),
+            },
+            read = stderr.read(&mut err_buffer), if open.1 => match read {
+                Ok(0) | Err(_) => open.1 = false,
+                Ok(n) => keep(&mut tail, &err_buffer[..n]),
+            },
+            status = child.wait(), if !open.0 && !open.1 => break status.ok(),
+            _ = &mut stop => {
+                stop_group(pid, &mut child).await;
+                return "the service was stopped".into();
+            }
+        }
+    };
+    // Whatever it left running in its session goes with it.
+    crate::process::kill_group(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    let code = status.and_then(|s| s.code().or_else(|| std::os::unix::process::ExitStatusExt::signal(&s).map(|s| 128 + s)));
+    let mut reason = format!("the service exited with code {}", code.map_or("?".into(), |c| c.to_string()));
+    let text = String::from_utf8_lossy(&tail);
+    if let Some(last) = text.trim().lines().last() {
+        reason.push_str(": ");
+        reason.extend(last.chars().take(300));
+    }
+    reason
+}
+
+/// Echoes a service's output to the agent's log and keeps its tail.
+fn keep(tail: &mut Vec<u8>, chunk: &[u8]) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(chunk);
+    tail.extend_from_slice(chunk);
+    if tail.len() > TAIL_BYTES {
+        tail.drain(..tail.len() - TAIL_BYTES);
+    }
+}
+
+/// SIGTERM to the group, a moment to shut down, then SIGKILL to the rest.
+async fn stop_group(pid: i32, child: &mut tokio::process::Child) {
+    let group = nix::unistd::Pid::from_raw(pid);
+    let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTERM);
+    let _ = tokio::time::timeout(STOP_GRACE, child.wait()).await;
+    crate::process::kill_group(group, nix::sys::signal::Signal::SIGKILL);
+    let _ = child.wait().await;
+}
+
+fn io_kind_name(error: &std::io::Error) -> &'static str {
+    match error.kind() {
+        std::io::ErrorKind::NotFound => "FileNotFoundError",
+        std::io::ErrorKind::PermissionDenied => "PermissionError",
+        _ => "OSError",
+    }
+}

@@ -1,0 +1,254 @@
+//! One connection to the engine: `hello`, `welcome`, then calls until the
+//! socket ends.
+//!
+//! One task per concern: this loop reads the socket, a writer task owns its
+//! sink (and pings), each call and service is a task with its own heartbeat.
+//! When the session ends, for whatever reason, every call and service in it
+//! ends too, its processes killed, before the caller reconnects.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::value::RawValue;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::{self, Message};
+
+use super::call::{self, Running, text_of};
+use super::{Agent, service};
+
+/// WebSocket pings, so a dead connection is noticed and proxies keep it.
+const PING_EVERY: Duration = Duration::from_secs(20);
+/// Frames waiting for the socket; past this, a call producing events waits.
+const OUTGOING: usize = 1024;
+
+/// How a session ended, which decides what the agent does next.
+#[derive(Debug)]
+pub enum SessionEnd {
+    /// The engine closed the connection cleanly: reconnect at once.
+    Closed,
+    /// A connection error: reconnect after a backoff.
+    Failed(String),
+    /// The engine will not have this worker: stop, exit 1.
+    Refused(String),
+    /// Nothing ran for `--max-idle`: stop, exit 0.
+    Idle,
+    /// SIGTERM or Ctrl-C: stop, exit 0.
+    Stopped,
+}
+
+/// What the calls of one session share.
+pub struct Session {
+    out: mpsc::Sender<Message>,
+    pub running: Mutex<HashMap<String, Running>>,
+    /// Services by call id: sending stops one.
+    pub services: Mutex<HashMap<String, oneshot::Sender<()>>>,
+    heartbeat: Duration,
+}
+
+impl Session {
+    /// Sends one line (a JSON object) to the engine as a text frame. A
+    /// session that has ended takes nothing; the call ends with it.
+    pub async fn send_raw(&self, line: &[u8]) {
+        let text = String::from_utf8_lossy(line).into_owned();
+        let _ = self.out.send(Message::text(text)).await;
+    }
+
+    /// Says the call is alive every heartbeat interval, until aborted.
+    pub fn heartbeat(&self, call_id: &str) -> tokio::task::JoinHandle<()> {
+        let out = self.out.clone();
+        let beat = serde_json::json!({"call_id": call_id, "event": "heartbeat"}).to_string();
+        let every = self.heartbeat;
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                ticks.tick().await;
+                if out.send(Message::text(beat.clone())).await.is_err() {
+                    return;
+                }
+            }
+        })
+    }
+
+    pub fn cancelled(&self, call_id: &str) -> bool {
+        self.running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(call_id)
+            .is_some_and(|r| r.cancelled)
+    }
+
+    /// A run or compile: SIGKILL now. A service: SIGTERM, grace, SIGKILL.
+    /// An unknown id is ignored.
+    fn cancel(&self, call_id: &str) {
+        if let Some(running) = self.running.lock().unwrap_or_else(|e| e.into_inner()).get_mut(call_id) {
+            tracing::info!(call = %call_id, "cancelling");
+            running.kill();
+        }
+        if let Some(stop) = self.services.lock().unwrap_or_else(|e| e.into_inner()).remove(call_id) {
+            tracing::info!(call = %call_id, "stopping");
+            let _ = stop.send(());
+        }
+    }
+
+    /// Ends every call and service of this session.
+    fn end_everything(&self) {
+        for running in self.running.lock().unwrap_or_else(|e| e.into_inner()).values_mut() {
+            running.kill();
+        }
+        for (_, stop) in self.services.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Connects, greets, serves until the socket ends; then ends every call.
+pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> SessionEnd {
+    let stream = tokio::select! {
+        stream = connect(agent) => match stream {
+            Ok(stream) => stream,
+            Err(end) => return end,
+        },
+        _ = shutdown.changed() => return SessionEnd::Stopped,
+    };
+    let (mut sink, mut stream) = stream.split();
+    let hello = super::hello::hello(&agent.options, &agent.venv_digest().await);
+    if let Err(error) = sink.send(Message::text(hello.to_string())).await {
+        return SessionEnd::Failed(error.to_string());
+    }
+    let welcome = tokio::select! {
+        first = stream.next() => first,
+        _ = shutdown.changed() => return SessionEnd::Stopped,
+    };
+    match welcome {
+        Some(Ok(Message::Text(text))) => {
+            let answer: serde_json::Value = serde_json::from_str(text.as_str()).unwrap_or_default();
+            if answer["op"] != "welcome" {
+                // Nothing about this machine will change the answer, so
+                // reconnecting would only be a quiet loop in the job's log.
+                let reason = answer["reason"].as_str().unwrap_or("refused").to_string();
+                return SessionEnd::Refused(reason);
+            }
+            tracing::info!(
+                "attached to {} as '{}' with labels {:?}",
+                agent.options.url,
+                answer["name"].as_str().unwrap_or(&agent.options.name),
+                agent.options.labels
+            );
+        }
+        Some(Ok(other)) => return SessionEnd::Refused(format!("the engine answered hello with {other:?}")),
+        Some(Err(error)) => return SessionEnd::Failed(error.to_string()),
+        None => return SessionEnd::Failed("the engine closed the connection after hello".into()),
+    }
+
+    let (out, mut outgoing) = mpsc::channel::<Message>(OUTGOING);
+    let writer = tokio::spawn(async move {
+        let mut pings = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
+        loop {
+            let message = tokio::select! {
+                message = outgoing.recv() => match message {
+                    Some(message) => message,
+                    None => break,
+                },
+                _ = pings.tick() => Message::Ping(Vec::new().into()),
+            };
+            if sink.send(message).await.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let session = Arc::new(Session {
+        out,
+        running: Mutex::new(HashMap::new()),
+        services: Mutex::new(HashMap::new()),
+        heartbeat: agent.heartbeat,
+    });
+    agent.touch();
+    let mut calls = JoinSet::new();
+    let idle_tick = agent.idle_tick();
+    let mut idle = tokio::time::interval(idle_tick.unwrap_or(Duration::from_secs(3600)));
+    let end = loop {
+        tokio::select! {
+            message = stream.next() => match message {
+                Some(Ok(Message::Text(text))) => dispatch(agent, &session, &mut calls, text.as_str()),
+                Some(Ok(Message::Close(_))) | None => break SessionEnd::Closed,
+                Some(Ok(_)) => {}
+                Some(Err(error)) => break SessionEnd::Failed(error.to_string()),
+            },
+            _ = shutdown.changed() => break SessionEnd::Stopped,
+            _ = idle.tick(), if idle_tick.is_some() => {
+                if agent.idle_past_limit() {
+                    break SessionEnd::Idle;
+                }
+            }
+            Some(_) = calls.join_next(), if !calls.is_empty() => {}
+        }
+    };
+    // The engine has failed these calls already, and a process left running
+    // would keep its port and its card for the next one.
+    session.end_everything();
+    while calls.join_next().await.is_some() {}
+    drop(session);
+    let _ = writer.await;
+    end
+}
+
+/// The WebSocket, with the token in a header (never the URL, which logs
+/// keep) and no limit on a frame's size.
+async fn connect(agent: &Agent) -> Result<tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>, SessionEnd> {
+    let mut request = agent
+        .options
+        .url
+        .as_str()
+        .into_client_request()
+        .map_err(|e| SessionEnd::Refused(format!("{} is not a WebSocket URL: {e}", agent.options.url)))?;
+    let bearer = format!("Bearer {}", agent.options.token);
+    request
+        .headers_mut()
+        .insert("Authorization", bearer.parse().map_err(|_| SessionEnd::Refused("the token is not a valid header value".into()))?);
+    let config = tungstenite::protocol::WebSocketConfig::default()
+        .max_message_size(None)
+        .max_frame_size(None);
+    let connector = tokio_tungstenite::Connector::Rustls(Arc::clone(&agent.tls));
+    match tokio_tungstenite::connect_async_tls_with_config(request, Some(config), true, Some(connector)).await {
+        Ok((stream, _response)) => Ok(stream),
+        Err(tungstenite::Error::Http(response)) if matches!(response.status().as_u16(), 401 | 403) => {
+            let body = response.body().as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+            let first = body.lines().next().unwrap_or("").trim().to_string();
+            Err(SessionEnd::Refused(format!(
+                "the engine refused the token (HTTP {}){}",
+                response.status().as_u16(),
+                if first.is_empty() { String::new() } else { format!(": {first}") }
+            )))
+        }
+        Err(error) => Err(SessionEnd::Failed(error.to_string())),
+    }
+}
+
+/// One message from the engine: a call starts, a cancel lands, the rest
+/// is ignored.
+fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>, text: &str) {
+    let Ok(message) = serde_json::from_str::<BTreeMap<String, Box<RawValue>>>(text) else {
+        tracing::warn!("ignored a message that is not a JSON object");
+        return;
+    };
+    match text_of(message.get("op")).as_str() {
+        "run" | "compile" => {
+            agent.call_started();
+            calls.spawn(call::serve(Arc::clone(agent), Arc::clone(session), message));
+        }
+        "serve" => {
+            let (stop, stopped) = oneshot::channel();
+            let call_id = text_of(message.get("call_id"));
+            session.services.lock().unwrap_or_else(|e| e.into_inner()).insert(call_id, stop);
+            agent.call_started();
+            calls.spawn(service::serve(Arc::clone(agent), Arc::clone(session), message, stopped));
+        }
+        "cancel" => session.cancel(&text_of(message.get("call_id"))),
+        _ => {}
+    }
+}

@@ -1,0 +1,267 @@
+//! The link between the agent and its zygote: frames over a Unix socket.
+//!
+//! The agent has threads, so it never forks user code; the zygote does, and
+//! hands each run's line pipe and a pidfd of its child to the agent across
+//! the socket (SCM_RIGHTS). The agent then reads the call's lines itself,
+//! and can kill the call's process exactly, whatever the zygote is busy with.
+//!
+//! A frame is `[u32 length][u8 kind][u64 ticket][payload]`; the agent picks
+//! the tickets, one per request. File descriptors travel with the frame that
+//! names them, in the same `sendmsg`, and are taken in order on receipt.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+
+use crate::process::ChildEnd;
+
+/// What travels on the link.
+#[derive(Debug)]
+pub enum Frame {
+    /// Agent → zygote: serve this request line (of the worker contract).
+    Call { ticket: u64, request: Vec<u8> },
+    /// The zygote started: its preloads imported, ready for calls.
+    Ready,
+    /// The zygote could not start; the message says why. It exits next.
+    Failed { message: String },
+    /// A child was forked for the call; with a pidfd to kill it by.
+    Started { ticket: u64, pid: i32, pidfd: OwnedFd },
+    /// The run's events and reply come on this pipe, read by the agent.
+    Pipe { ticket: u64, pipe: OwnedFd },
+    /// A line the zygote read (or wrote) itself for the call.
+    Line { ticket: u64, line: Vec<u8> },
+    /// The run's child ended (reaped); what it printed, for a reply the
+    /// agent writes if the child wrote none.
+    Ended { ticket: u64, end: ChildEnd, logs: String },
+    /// The zygote has nothing more to say about the call.
+    Done { ticket: u64 },
+}
+
+const CALL: u8 = 1;
+const READY: u8 = 2;
+const FAILED: u8 = 3;
+const STARTED: u8 = 4;
+const PIPE: u8 = 5;
+const LINE: u8 = 6;
+const ENDED: u8 = 7;
+const DONE: u8 = 8;
+
+impl Frame {
+    /// The bytes of a frame that carries no fd (what the agent sends).
+    pub fn bytes(&self) -> Vec<u8> {
+        let (bytes, fd) = self.encode();
+        debug_assert!(fd.is_none(), "a frame with an fd goes through `send`");
+        bytes
+    }
+
+    /// The frame's bytes and the fds that go with them.
+    fn encode(&self) -> (Vec<u8>, Option<RawFd>) {
+        let (kind, ticket, mut payload, fd) = match self {
+            Frame::Call { ticket, request } => (CALL, *ticket, request.clone(), None),
+            Frame::Ready => (READY, 0, Vec::new(), None),
+            Frame::Failed { message } => (FAILED, 0, message.as_bytes().to_vec(), None),
+            Frame::Started { ticket, pid, pidfd } => {
+                (STARTED, *ticket, pid.to_le_bytes().to_vec(), Some(pidfd.as_raw_fd()))
+            }
+            Frame::Pipe { ticket, pipe } => (PIPE, *ticket, Vec::new(), Some(pipe.as_raw_fd())),
+            Frame::Line { ticket, line } => (LINE, *ticket, line.clone(), None),
+            Frame::Ended { ticket, end, logs } => {
+                let code = match end {
+                    ChildEnd::Exited(code) => *code,
+                    ChildEnd::Signaled(signal) => -(*signal as i32),
+                };
+                let mut payload = code.to_le_bytes().to_vec();
+                payload.extend_from_slice(logs.as_bytes());
+                (ENDED, *ticket, payload, None)
+            }
+            Frame::Done { ticket } => (DONE, *ticket, Vec::new(), None),
+        };
+        let mut bytes = Vec::with_capacity(13 + payload.len());
+        bytes.extend_from_slice(&((9 + payload.len()) as u32).to_le_bytes());
+        bytes.push(kind);
+        bytes.extend_from_slice(&ticket.to_le_bytes());
+        bytes.append(&mut payload);
+        (bytes, fd)
+    }
+
+    fn decode(body: &[u8], fds: &mut VecDeque<OwnedFd>) -> Result<Frame, String> {
+        if body.len() < 9 {
+            return Err("a frame shorter than its header".into());
+        }
+        let ticket = u64::from_le_bytes(body[1..9].try_into().expect("8 bytes"));
+        let payload = &body[9..];
+        let fd = |fds: &mut VecDeque<OwnedFd>| fds.pop_front().ok_or("a frame without its file descriptor");
+        let number = |payload: &[u8]| -> Result<i32, String> {
+            Ok(i32::from_le_bytes(payload.get(..4).ok_or("a short frame")?.try_into().expect("4 bytes")))
+        };
+        Ok(match body[0] {
+            CALL => Frame::Call { ticket, request: payload.to_vec() },
+            READY => Frame::Ready,
+            FAILED => Frame::Failed { message: String::from_utf8_lossy(payload).into_owned() },
+            STARTED => Frame::Started { ticket, pid: number(payload)?, pidfd: fd(fds)? },
+            PIPE => Frame::Pipe { ticket, pipe: fd(fds)? },
+            LINE => Frame::Line { ticket, line: payload.to_vec() },
+            ENDED => {
+                let code = number(payload)?;
+                let end = if code >= 0 {
+                    ChildEnd::Exited(code)
+                } else {
+                    ChildEnd::Signaled(nix::sys::signal::Signal::try_from(-code).map_err(|e| e.to_string())?)
+                };
+                Frame::Ended { ticket, end, logs: String::from_utf8_lossy(&payload[4..]).into_owned() }
+            }
+            DONE => Frame::Done { ticket },
+            other => return Err(format!("an unknown frame kind {other}")),
+        })
+    }
+}
+
+/// Sends one frame, whole, with its fd. Blocks until the socket took it.
+pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
+    let (bytes, fd) = frame.encode();
+    let mut sent = 0;
+    while sent < bytes.len() {
+        let fds = [fd.unwrap_or(-1)];
+        // The fd rides with the frame's first bytes only.
+        let control = if sent == 0 && fd.is_some() { vec![ControlMessage::ScmRights(&fds)] } else { vec![] };
+        match sendmsg::<()>(socket.as_raw_fd(), &[IoSlice::new(&bytes[sent..])], &control, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(n) => sent += n,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EAGAIN) => wait_writable(socket)?,
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(())
+}
+
+fn wait_writable(socket: BorrowedFd<'_>) -> std::io::Result<()> {
+    let mut fds = [nix::poll::PollFd::new(socket, nix::poll::PollFlags::POLLOUT)];
+    match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+        Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Frames as they arrive on a socket: bytes and fds, reassembled.
+#[derive(Default)]
+pub struct Receiver {
+    buffer: Vec<u8>,
+    fds: VecDeque<OwnedFd>,
+    closed: bool,
+}
+
+/// What one read from the socket gave.
+pub enum Received {
+    /// Some bytes (perhaps no whole frame yet).
+    Data,
+    /// Nothing to read now (a non-blocking socket).
+    WouldBlock,
+    /// The other end closed the link.
+    Closed,
+}
+
+impl Receiver {
+    /// One `recvmsg`: bytes into the buffer, fds into the queue.
+    pub fn receive(&mut self, socket: BorrowedFd<'_>) -> std::io::Result<Received> {
+        if self.closed {
+            return Ok(Received::Closed);
+        }
+        let mut chunk = vec![0u8; 1 << 16];
+        let mut space = nix::cmsg_space!([RawFd; 16]);
+        let (read, fds) = loop {
+            let mut iov = [std::io::IoSliceMut::new(&mut chunk)];
+            match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
+                Ok(message) => {
+                    let mut fds = Vec::new();
+                    for control in message.cmsgs().map_err(std::io::Error::from)? {
+                        if let ControlMessageOwned::ScmRights(received) = control {
+                            // SAFETY: the kernel just installed these fds in
+                            // this process; nothing else owns them.
+                            fds.extend(received.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                        }
+                    }
+                    break (message.bytes, fds);
+                }
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(nix::errno::Errno::EAGAIN) => return Ok(Received::WouldBlock),
+                Err(error) => return Err(error.into()),
+            }
+        };
+        self.fds.extend(fds);
+        if read == 0 {
+            self.closed = true;
+            return Ok(Received::Closed);
+        }
+        self.buffer.extend_from_slice(&chunk[..read]);
+        Ok(Received::Data)
+    }
+
+    /// The next whole frame, if one has arrived.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, String> {
+        if self.buffer.len() < 4 {
+            return Ok(None);
+        }
+        let length = u32::from_le_bytes(self.buffer[..4].try_into().expect("4 bytes")) as usize;
+        if self.buffer.len() < 4 + length {
+            return Ok(None);
+        }
+        let frame = Frame::decode(&self.buffer[4..4 + length], &mut self.fds);
+        self.buffer.drain(..4 + length);
+        frame.map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn frames_and_their_fds_cross_in_order() {
+        let (left, right) = UnixStream::pair().unwrap();
+        let (pipe_read, _pipe_write) = nix::unistd::pipe().unwrap();
+        let (other_read, _other_write) = nix::unistd::pipe().unwrap();
+        let frames = [
+            Frame::Ready,
+            Frame::Pipe { ticket: 7, pipe: pipe_read },
+            Frame::Line { ticket: 7, line: b"{\"id\": 1}".repeat(20_000) },
+            Frame::Started { ticket: 8, pid: 1234, pidfd: other_read },
+            Frame::Ended { ticket: 7, end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs: "é\n".into() },
+            Frame::Done { ticket: 8 },
+        ];
+        let sender = std::thread::spawn(move || {
+            for frame in &frames {
+                send(left.as_fd_borrowed(), frame).unwrap();
+            }
+        });
+        let mut receiver = Receiver::default();
+        let mut got = Vec::new();
+        while got.len() < 6 {
+            match receiver.next_frame().unwrap() {
+                Some(frame) => got.push(frame),
+                None => {
+                    receiver.receive(std::os::fd::AsFd::as_fd(&right)).unwrap();
+                }
+            }
+        }
+        sender.join().unwrap();
+        assert!(matches!(got[0], Frame::Ready));
+        assert!(matches!(got[1], Frame::Pipe { ticket: 7, .. }));
+        assert!(matches!(&got[2], Frame::Line { ticket: 7, line } if line.len() == 180_000));
+        assert!(matches!(got[3], Frame::Started { ticket: 8, pid: 1234, .. }));
+        assert!(matches!(&got[4], Frame::Ended { end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs, .. } if logs == "é\n"));
+        assert!(matches!(got[5], Frame::Done { ticket: 8 }));
+    }
+
+    trait Borrowed {
+        fn as_fd_borrowed(&self) -> BorrowedFd<'_>;
+    }
+
+    impl Borrowed for UnixStream {
+        fn as_fd_borrowed(&self) -> BorrowedFd<'_> {
+            std::os::fd::AsFd::as_fd(self)
+        }
+    }
+}
