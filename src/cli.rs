@@ -52,7 +52,12 @@ struct AgentArgs {
     url: String,
 
     /// Issued by POST /api/v1/workers/tokens; sent as a bearer header, never in the URL
-    #[arg(long, env = "FLUKSIO_WORKER_TOKEN", hide_env_values = true, default_value = "")]
+    #[arg(
+        long,
+        env = "FLUKSIO_WORKER_TOKEN",
+        hide_env_values = true,
+        default_value = ""
+    )]
     token: String,
 
     /// This worker's name [default: the host name]
@@ -204,7 +209,9 @@ pub fn main() -> ExitCode {
             url: args.url,
             token: args.token,
             name: args.name.unwrap_or_else(|| {
-                nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default()
+                nix::unistd::gethostname()
+                    .map(|h| h.to_string_lossy().into_owned())
+                    .unwrap_or_default()
             }),
             labels: args
                 .labels

@@ -27,14 +27,22 @@ pub enum Frame {
     /// The zygote could not start; the message says why. It exits next.
     Failed { message: String },
     /// A child was forked for the call; with a pidfd to kill it by.
-    Started { ticket: u64, pid: i32, pidfd: OwnedFd },
+    Started {
+        ticket: u64,
+        pid: i32,
+        pidfd: OwnedFd,
+    },
     /// The run's events and reply come on this pipe, read by the agent.
     Pipe { ticket: u64, pipe: OwnedFd },
     /// A line the zygote read (or wrote) itself for the call.
     Line { ticket: u64, line: Vec<u8> },
     /// The run's child ended (reaped); what it printed, for a reply the
     /// agent writes if the child wrote none.
-    Ended { ticket: u64, end: ChildEnd, logs: String },
+    Ended {
+        ticket: u64,
+        end: ChildEnd,
+        logs: String,
+    },
     /// The zygote has nothing more to say about the call.
     Done { ticket: u64 },
 }
@@ -62,9 +70,12 @@ impl Frame {
             Frame::Call { ticket, request } => (CALL, *ticket, request.clone(), None),
             Frame::Ready => (READY, 0, Vec::new(), None),
             Frame::Failed { message } => (FAILED, 0, message.as_bytes().to_vec(), None),
-            Frame::Started { ticket, pid, pidfd } => {
-                (STARTED, *ticket, pid.to_le_bytes().to_vec(), Some(pidfd.as_raw_fd()))
-            }
+            Frame::Started { ticket, pid, pidfd } => (
+                STARTED,
+                *ticket,
+                pid.to_le_bytes().to_vec(),
+                Some(pidfd.as_raw_fd()),
+            ),
             Frame::Pipe { ticket, pipe } => (PIPE, *ticket, Vec::new(), Some(pipe.as_raw_fd())),
             Frame::Line { ticket, line } => (LINE, *ticket, line.clone(), None),
             Frame::Ended { ticket, end, logs } => {
@@ -92,25 +103,54 @@ impl Frame {
         }
         let ticket = u64::from_le_bytes(body[1..9].try_into().expect("8 bytes"));
         let payload = &body[9..];
-        let fd = |fds: &mut VecDeque<OwnedFd>| fds.pop_front().ok_or("a frame without its file descriptor");
+        let fd = |fds: &mut VecDeque<OwnedFd>| {
+            fds.pop_front().ok_or("a frame without its file descriptor")
+        };
         let number = |payload: &[u8]| -> Result<i32, String> {
-            Ok(i32::from_le_bytes(payload.get(..4).ok_or("a short frame")?.try_into().expect("4 bytes")))
+            Ok(i32::from_le_bytes(
+                payload
+                    .get(..4)
+                    .ok_or("a short frame")?
+                    .try_into()
+                    .expect("4 bytes"),
+            ))
         };
         Ok(match body[0] {
-            CALL => Frame::Call { ticket, request: payload.to_vec() },
+            CALL => Frame::Call {
+                ticket,
+                request: payload.to_vec(),
+            },
             READY => Frame::Ready,
-            FAILED => Frame::Failed { message: String::from_utf8_lossy(payload).into_owned() },
-            STARTED => Frame::Started { ticket, pid: number(payload)?, pidfd: fd(fds)? },
-            PIPE => Frame::Pipe { ticket, pipe: fd(fds)? },
-            LINE => Frame::Line { ticket, line: payload.to_vec() },
+            FAILED => Frame::Failed {
+                message: String::from_utf8_lossy(payload).into_owned(),
+            },
+            STARTED => Frame::Started {
+                ticket,
+                pid: number(payload)?,
+                pidfd: fd(fds)?,
+            },
+            PIPE => Frame::Pipe {
+                ticket,
+                pipe: fd(fds)?,
+            },
+            LINE => Frame::Line {
+                ticket,
+                line: payload.to_vec(),
+            },
             ENDED => {
                 let code = number(payload)?;
                 let end = if code >= 0 {
                     ChildEnd::Exited(code)
                 } else {
-                    ChildEnd::Signaled(nix::sys::signal::Signal::try_from(-code).map_err(|e| e.to_string())?)
+                    ChildEnd::Signaled(
+                        nix::sys::signal::Signal::try_from(-code).map_err(|e| e.to_string())?,
+                    )
                 };
-                Frame::Ended { ticket, end, logs: String::from_utf8_lossy(&payload[4..]).into_owned() }
+                Frame::Ended {
+                    ticket,
+                    end,
+                    logs: String::from_utf8_lossy(&payload[4..]).into_owned(),
+                }
             }
             DONE => Frame::Done { ticket },
             other => return Err(format!("an unknown frame kind {other}")),
@@ -125,8 +165,18 @@ pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
     while sent < bytes.len() {
         let fds = [fd.unwrap_or(-1)];
         // The fd rides with the frame's first bytes only.
-        let control = if sent == 0 && fd.is_some() { vec![ControlMessage::ScmRights(&fds)] } else { vec![] };
-        match sendmsg::<()>(socket.as_raw_fd(), &[IoSlice::new(&bytes[sent..])], &control, MsgFlags::MSG_NOSIGNAL, None) {
+        let control = if sent == 0 && fd.is_some() {
+            vec![ControlMessage::ScmRights(&fds)]
+        } else {
+            vec![]
+        };
+        match sendmsg::<()>(
+            socket.as_raw_fd(),
+            &[IoSlice::new(&bytes[sent..])],
+            &control,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
             Ok(n) => sent += n,
             Err(nix::errno::Errno::EINTR) => continue,
             Err(nix::errno::Errno::EAGAIN) => wait_writable(socket)?,
@@ -137,7 +187,10 @@ pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
 }
 
 fn wait_writable(socket: BorrowedFd<'_>) -> std::io::Result<()> {
-    let mut fds = [nix::poll::PollFd::new(socket, nix::poll::PollFlags::POLLOUT)];
+    let mut fds = [nix::poll::PollFd::new(
+        socket,
+        nix::poll::PollFlags::POLLOUT,
+    )];
     match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
         Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
         Err(error) => Err(error.into()),
@@ -172,14 +225,23 @@ impl Receiver {
         let mut space = nix::cmsg_space!([RawFd; 16]);
         let (read, fds) = loop {
             let mut iov = [std::io::IoSliceMut::new(&mut chunk)];
-            match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
+            match recvmsg::<()>(
+                socket.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            ) {
                 Ok(message) => {
                     let mut fds = Vec::new();
                     for control in message.cmsgs().map_err(std::io::Error::from)? {
                         if let ControlMessageOwned::ScmRights(received) = control {
                             // SAFETY: the kernel just installed these fds in
                             // this process; nothing else owns them.
-                            fds.extend(received.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                            fds.extend(
+                                received
+                                    .into_iter()
+                                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                            );
                         }
                     }
                     break (message.bytes, fds);
@@ -225,10 +287,24 @@ mod tests {
         let (other_read, _other_write) = nix::unistd::pipe().unwrap();
         let frames = [
             Frame::Ready,
-            Frame::Pipe { ticket: 7, pipe: pipe_read },
-            Frame::Line { ticket: 7, line: b"{\"id\": 1}".repeat(20_000) },
-            Frame::Started { ticket: 8, pid: 1234, pidfd: other_read },
-            Frame::Ended { ticket: 7, end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs: "é\n".into() },
+            Frame::Pipe {
+                ticket: 7,
+                pipe: pipe_read,
+            },
+            Frame::Line {
+                ticket: 7,
+                line: b"{\"id\": 1}".repeat(20_000),
+            },
+            Frame::Started {
+                ticket: 8,
+                pid: 1234,
+                pidfd: other_read,
+            },
+            Frame::Ended {
+                ticket: 7,
+                end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV),
+                logs: "é\n".into(),
+            },
             Frame::Done { ticket: 8 },
         ];
         let sender = std::thread::spawn(move || {
@@ -250,8 +326,17 @@ mod tests {
         assert!(matches!(got[0], Frame::Ready));
         assert!(matches!(got[1], Frame::Pipe { ticket: 7, .. }));
         assert!(matches!(&got[2], Frame::Line { ticket: 7, line } if line.len() == 180_000));
-        assert!(matches!(got[3], Frame::Started { ticket: 8, pid: 1234, .. }));
-        assert!(matches!(&got[4], Frame::Ended { end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs, .. } if logs == "é\n"));
+        assert!(matches!(
+            got[3],
+            Frame::Started {
+                ticket: 8,
+                pid: 1234,
+                ..
+            }
+        ));
+        assert!(
+            matches!(&got[4], Frame::Ended { end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs, .. } if logs == "é\n")
+        );
         assert!(matches!(got[5], Frame::Done { ticket: 8 }));
     }
 

@@ -6,8 +6,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
-use common::engine::{Answer, Engine};
 use common::ZYGOTE;
+use common::engine::{Answer, Engine};
 use serde_json::{Value, json};
 
 const TOKEN: &str = "worker-token-7f3a";
@@ -91,8 +91,758 @@ fn a_run_round_trip_with_events_in_order() {
     assert_eq!(connection.hello["op"], "hello");
     connection.send(&run("c1", "import fluksio\ndef process(n):\n    for i in range(n):\n        yield {'i': i}\n    fluksio.emit(done=True)\n    return n\n", json!({"n": 3})));
     let (events, reply) = connection.reply("c1", WAIT);
-    let events: Vec<_> = events.into_iter().filter(|e| e["event"] != "heartbeat").collect();
+    let events = without_heartbeats(events);
     assert_eq!(events.len(), 4, "{events:?}");
     assert_eq!(reply["result"], 3, "{reply}");
     assert_eq!(reply["ok"], true);
+}
+
+fn compile(call_id: &str, source: &str) -> Value {
+    json!({"op": "compile", "id": "c", "call_id": call_id, "flow": "f", "node": call_id, "source": source})
+}
+
+fn without_heartbeats(events: Vec<Value>) -> Vec<Value> {
+    events
+        .into_iter()
+        .filter(|e| e["event"] != "heartbeat")
+        .collect()
+}
+
+fn pids(message: &Value) -> Vec<i32> {
+    message["outputs"]["pids"]
+        .as_array()
+        .expect("pids")
+        .iter()
+        .map(|p| p.as_i64().unwrap() as i32)
+        .collect()
+}
+
+/// A node that reports its pid and a grandchild's, then sleeps.
+const SLEEPER: &str = "import fluksio, os, subprocess, time\ndef process():\n    sleeper = subprocess.Popen(['sleep', '3600'])\n    fluksio.emit(pids=[os.getpid(), sleeper.pid, os.getppid()])\n    time.sleep(3600)\n";
+
+fn all_gone(pids: &[i32]) {
+    for &pid in pids {
+        assert!(
+            common::wait_gone(pid, Duration::from_secs(15)),
+            "process {pid} outlived its call"
+        );
+    }
+}
+
+#[test]
+fn hello_carries_every_field_of_protocol_3() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(
+        &engine.url,
+        &[
+            "--name",
+            "w1",
+            "--labels",
+            "gpu, cuda12",
+            "--parallel",
+            "3",
+            "--service-host",
+            "10.1.1.1",
+            "--cpus",
+            "7",
+            "--gpus",
+            "2",
+            "--ram-mb",
+            "1234",
+        ],
+        &[],
+    );
+    let connection = engine.next_connection(WAIT);
+    let hello = &connection.hello;
+    assert_eq!(hello["op"], "hello");
+    assert_eq!(hello["protocol"], 3);
+    assert!(hello["version"].as_str().is_some_and(|v| !v.is_empty()));
+    assert_eq!(hello["name"], "w1");
+    assert_eq!(hello["labels"], json!(["gpu", "cuda12"]));
+    assert_eq!(hello["python"], common::python().display().to_string());
+    assert_eq!(hello["max_parallel"], 3);
+    assert_eq!(hello["service_host"], "10.1.1.1");
+    assert_eq!(
+        hello["inventory"],
+        json!({"cpus": 7, "gpus": 2, "ram_mb": 1234})
+    );
+    let freeze = Command::new(common::python())
+        .args(["-m", "pip", "freeze"])
+        .output()
+        .unwrap()
+        .stdout;
+    let digest = common::artifact_server::sha256_bytes(&freeze);
+    assert_eq!(
+        hello["venv_digest"],
+        digest[..16],
+        "sha256 of pip freeze, 16 hex"
+    );
+    assert_eq!(
+        connection.headers.get("authorization"),
+        Some(&format!("Bearer {TOKEN}"))
+    );
+    assert!(
+        !connection.path.contains(TOKEN),
+        "the token is not in the URL: {}",
+        connection.path
+    );
+
+    let _agent = Agent::start(
+        &engine.url,
+        &[],
+        &[
+            ("SLURM_CPUS_ON_NODE", "5"),
+            ("SLURM_MEM_PER_NODE", "999"),
+            ("SLURM_JOB_GPUS", "0,1,2"),
+        ],
+    );
+    let connection = engine.next_connection(WAIT);
+    assert_eq!(
+        connection.hello["inventory"],
+        json!({"cpus": 5, "gpus": 3, "ram_mb": 999})
+    );
+    let hostname = nix::unistd::gethostname()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert_eq!(connection.hello["name"], hostname);
+}
+
+#[test]
+fn compile_and_errors_come_back_as_replies() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&compile(
+        "k1",
+        "print('loading')\ndef process():\n    return 1\n",
+    ));
+    let (_, reply) = connection.reply("k1", WAIT);
+    assert_eq!(
+        reply,
+        json!({"id": "c", "call_id": "k1", "result": null, "ok": true, "logs": "loading\n"})
+    );
+    connection.send(&compile("k2", "def process(:\n"));
+    let (_, reply) = connection.reply("k2", WAIT);
+    assert_eq!(
+        reply["error"]["short"],
+        "SyntaxError: invalid syntax (line 1)"
+    );
+    connection.send(&json!({"op": "run", "id": 3, "call_id": "k3", "node": "n"}));
+    let (_, reply) = connection.reply("k3", WAIT);
+    assert_eq!(reply["error"]["type"], "ProtocolError", "{reply}");
+    connection.send(&json!({"op": "nonsense", "call_id": "k4"}));
+    connection.send(&run(
+        "k5",
+        "def process():\n    return 'still here'\n",
+        json!({}),
+    ));
+    let (_, reply) = connection.reply("k5", WAIT);
+    assert_eq!(reply["result"], "still here");
+}
+
+#[test]
+fn heartbeats_while_a_call_runs_and_none_after() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run(
+        "h1",
+        "import time\ndef process():\n    time.sleep(1.5)\n    return 'slept'\n",
+        json!({}),
+    ));
+    let (events, reply) = connection.reply("h1", WAIT);
+    assert_eq!(reply["result"], "slept");
+    let beats: Vec<_> = events
+        .iter()
+        .filter(|e| e["event"] == "heartbeat")
+        .collect();
+    assert!(beats.len() >= 2, "heartbeats every 0.3 s: {events:?}");
+    assert!(
+        beats
+            .iter()
+            .all(|b| **b == json!({"call_id": "h1", "event": "heartbeat"}))
+    );
+    assert!(
+        connection.recv(Duration::from_secs(1)).is_none(),
+        "no heartbeat after the reply"
+    );
+}
+
+#[test]
+fn cancel_kills_a_sleeping_node_and_what_it_started() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run("s1", SLEEPER, json!({})));
+    let started = connection.until(WAIT, |m| m["event"] == "emit");
+    let pids = pids(started.last().unwrap());
+    connection.send(&json!({"op": "cancel", "call_id": "nobody"}));
+    connection.send(&json!({"op": "cancel", "call_id": "s1"}));
+    let (_, reply) = connection.reply("s1", WAIT);
+    assert_eq!(reply["ok"], false);
+    assert_eq!(reply["error"]["type"], "NodeCancelled", "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("SIGKILL"),
+        "{reply}"
+    );
+    all_gone(&pids[..2]);
+    connection.send(&run("s2", "def process():\n    return 'next'\n", json!({})));
+    assert_eq!(connection.reply("s2", WAIT).1["result"], "next");
+}
+
+#[test]
+fn a_node_that_ends_its_process_says_how() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run(
+        "e1",
+        "import os\ndef process():\n    print('bye')\n    os._exit(3)\n",
+        json!({}),
+    ));
+    let (_, reply) = connection.reply("e1", WAIT);
+    assert_eq!(reply["error"]["type"], "RemoteError");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("exited with code 3"),
+        "{reply}"
+    );
+    assert_eq!(reply["logs"], "bye\n");
+    connection.send(&run(
+        "e2",
+        "import ctypes\ndef process():\n    ctypes.string_at(0)\n",
+        json!({}),
+    ));
+    let (_, reply) = connection.reply("e2", WAIT);
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("killed by SIGSEGV"),
+        "{reply}"
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    Some(answer)
+}
+
+#[test]
+fn serve_runs_a_real_server_with_its_weights_until_cancelled() {
+    let dir = common::scratch("agent-serve");
+    let store = common::artifact_server::ArtifactServer::start(&dir.join("store"), Some(TOKEN));
+    std::fs::write(dir.join("weights.bin"), b"the weights, verified").unwrap();
+    let digest = store.place(&dir.join("weights.bin"));
+    let engine = Engine::start(Answer::Welcome);
+    let cache = dir.join("cache");
+    let _agent = Agent::start(
+        &engine.url,
+        &["--artifact-url", &store.url],
+        &[("FLUKSIO_ARTIFACT_CACHE", cache.to_str().unwrap())],
+    );
+    let connection = engine.next_connection(WAIT);
+    let port = free_port();
+    let python = common::python().display().to_string();
+    connection.send(&json!({
+        "op": "serve", "call_id": "svc", "weights": digest,
+        "argv": ["sh", "-c", "cd \"$(dirname \"$1\")\" && exec \"$2\" -m http.server \"$3\" --bind 127.0.0.1", "sh", "{weights}", python, port.to_string()],
+    }));
+    let hex = &digest[7..];
+    let mut served = None;
+    for _ in 0..300 {
+        if let Some(answer) = http_get(port, &format!("/{hex}")) {
+            served = Some(answer);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let served = served.expect("the service answers on its port");
+    assert!(served.ends_with("the weights, verified"), "{served}");
+    let beat = connection.until(WAIT, |m| m["event"] == "heartbeat");
+    assert_eq!(beat.last().unwrap()["call_id"], "svc");
+    connection.send(&json!({"op": "cancel", "call_id": "svc"}));
+    let (_, reply) = connection.reply("svc", WAIT);
+    assert_eq!(
+        reply,
+        json!({"call_id": "svc", "ok": false, "error": {"type": "ServiceStopped", "message": "the service was stopped", "short": "the service was stopped", "traceback": ""}})
+    );
+    assert!(http_get(port, "/").is_none(), "the server is gone");
+
+    connection.send(&json!({"op": "serve", "call_id": "svc2", "argv": ["sh", "-c", "echo starting; echo failing >&2; exit 4"]}));
+    let (_, reply) = connection.reply("svc2", WAIT);
+    assert_eq!(
+        reply["error"]["message"],
+        "the service exited with code 4: failing"
+    );
+    connection.send(
+        &json!({"op": "serve", "call_id": "svc3", "argv": ["true"], "weights": "sha256:nope"}),
+    );
+    let (_, reply) = connection.reply("svc3", WAIT);
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("could not fetch"),
+        "{reply}"
+    );
+}
+
+#[test]
+fn a_refusal_stops_the_agent_once() {
+    let engine = Engine::start(Answer::Refuse("no room for this worker".into()));
+    let mut agent = Agent::start(&engine.url, &[], &[]);
+    assert_eq!(agent.wait(WAIT), Some(1));
+    assert_eq!(engine.attempts(), 1, "no retry");
+    assert!(agent.log().contains("no room for this worker"));
+}
+
+#[test]
+fn a_401_at_the_handshake_stops_the_agent_once() {
+    let engine = Engine::start(Answer::Status(401));
+    let mut agent = Agent::start(&engine.url, &[], &[]);
+    assert_eq!(agent.wait(WAIT), Some(1));
+    assert_eq!(engine.attempts(), 1, "no retry");
+    let log = agent.log();
+    assert!(log.contains("401") && !log.contains(TOKEN), "{log}");
+}
+
+#[test]
+fn a_dropped_socket_ends_the_calls_then_reconnects() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run("d1", SLEEPER, json!({})));
+    let pids = pids(
+        connection
+            .until(WAIT, |m| m["event"] == "emit")
+            .last()
+            .unwrap(),
+    );
+    connection.drop_socket();
+    all_gone(&pids[..2]);
+    let again = engine.next_connection(WAIT);
+    assert_eq!(again.hello["op"], "hello");
+    again.send(&run(
+        "d2",
+        "def process():\n    return 'reconnected'\n",
+        json!({}),
+    ));
+    assert_eq!(again.reply("d2", WAIT).1["result"], "reconnected");
+    again.close();
+    let third = engine.next_connection(Duration::from_secs(5));
+    assert_eq!(
+        third.hello["op"], "hello",
+        "a clean close reconnects at once"
+    );
+}
+
+#[test]
+fn sigterm_ends_every_call_and_exits_0() {
+    let engine = Engine::start(Answer::Welcome);
+    let mut agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run("t1", SLEEPER, json!({})));
+    let pids = pids(
+        connection
+            .until(WAIT, |m| m["event"] == "emit")
+            .last()
+            .unwrap(),
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert_eq!(agent.wait(WAIT), Some(0));
+    all_gone(&pids);
+}
+
+#[test]
+fn max_idle_stops_an_idle_agent() {
+    let engine = Engine::start(Answer::Welcome);
+    let mut agent = Agent::start(&engine.url, &["--max-idle", "1"], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run(
+        "i1",
+        "import time\ndef process():\n    time.sleep(1.5)\n    return 1\n",
+        json!({}),
+    ));
+    assert_eq!(
+        connection.reply("i1", WAIT).1["result"],
+        1,
+        "a running call is not idleness"
+    );
+    assert_eq!(agent.wait(WAIT), Some(0));
+    assert!(agent.log().contains("nothing to do"));
+}
+
+#[test]
+fn plain_text_off_this_machine_needs_insecure() {
+    for args in [
+        vec!["--url", "ws://10.1.2.3:9/api/v1/workers/attach"],
+        vec![
+            "--url",
+            "ws://127.0.0.1:9/a",
+            "--artifact-url",
+            "http://10.1.2.3/artifacts",
+        ],
+    ] {
+        let output = Command::new(ZYGOTE)
+            .arg("agent")
+            .args(&args)
+            .args(["--token", TOKEN])
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(2));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("is not encrypted") && stderr.contains("--insecure"),
+            "{stderr}"
+        );
+    }
+    let output = Command::new(ZYGOTE)
+        .args(["agent", "--url", "ws://127.0.0.1:9/a"])
+        .env_remove("FLUKSIO_WORKER_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("a token is required"));
+    let mut agent = Agent::start(
+        "ws://10.1.2.3:9/api/v1/workers/attach",
+        &["--insecure"],
+        &[],
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        agent.child.try_wait().unwrap().is_none(),
+        "--insecure lets it try:\n{}",
+        agent.log()
+    );
+}
+
+#[test]
+fn node_code_sees_neither_credentials_nor_the_token() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(
+        &engine.url,
+        &[],
+        &[
+            ("SECRET_KEY", "hush"),
+            ("MY_API_TOKEN", "t0k"),
+            ("DATABASE_URL_RO", "db"),
+            ("db_password", "pw"),
+            ("KEEP_ME", "kept"),
+        ],
+    );
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run(
+        "env",
+        "import os\ndef process(t):\n    raw = open('/proc/self/environ', 'rb').read() + open('/proc/%d/environ' % os.getppid(), 'rb').read()\n    return [sorted(k for k in os.environ if k in ('SECRET_KEY', 'MY_API_TOKEN', 'DATABASE_URL_RO', 'db_password', 'FLUKSIO_WORKER_TOKEN', 'FLUKSIO_ARTIFACT_TOKEN')), os.environ.get('KEEP_ME'), os.environ.get('FLUKSIO_ARTIFACT_URL'), raw.count(t.encode())]\n",
+        json!({"t": TOKEN}),
+    ));
+    let (_, reply) = connection.reply("env", WAIT);
+    let port = engine.port;
+    assert_eq!(
+        reply["result"],
+        json!([
+            [],
+            "kept",
+            format!("http://127.0.0.1:{port}/api/v1/artifacts"),
+            0
+        ]),
+        "{reply}"
+    );
+}
+
+#[test]
+fn cuda_devices_are_read_in_the_agent_mask() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[("CUDA_VISIBLE_DEVICES", "2,3")]);
+    let connection = engine.next_connection(WAIT);
+    let mut request = run(
+        "cuda",
+        "import os\ndef process():\n    return [os.environ['CUDA_VISIBLE_DEVICES'], os.environ['OMP_NUM_THREADS']]\n",
+        json!({}),
+    );
+    request["env"] = json!({"CUDA_VISIBLE_DEVICES": "1", "OMP_NUM_THREADS": 4});
+    let (_, reply) = connection.reply_to(&request, WAIT);
+    assert_eq!(reply["result"], json!(["3", "4"]));
+}
+
+#[test]
+fn a_dead_zygote_fails_its_calls_and_is_replaced() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run("z1", SLEEPER, json!({})));
+    let pids = pids(
+        connection
+            .until(WAIT, |m| m["event"] == "emit")
+            .last()
+            .unwrap(),
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pids[2]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let (_, reply) = connection.reply("z1", WAIT);
+    assert_eq!(reply["ok"], false);
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("zygote"),
+        "{reply}"
+    );
+    all_gone(&pids);
+    connection.send(&run(
+        "z2",
+        "import os\ndef process():\n    return os.getppid()\n",
+        json!({}),
+    ));
+    let (_, reply) = connection.reply("z2", WAIT);
+    assert!(
+        reply["result"]
+            .as_i64()
+            .is_some_and(|p| p as i32 != pids[2]),
+        "a new zygote: {reply}"
+    );
+}
+
+#[test]
+fn a_zygote_that_cannot_start_stops_the_agent_with_its_error() {
+    let engine = Engine::start(Answer::Welcome);
+    let mut agent = Agent::start(&engine.url, &["--preload", "no_such_module_anywhere"], &[]);
+    assert_eq!(agent.wait(WAIT), Some(1));
+    let log = agent.log();
+    assert!(
+        log.contains("could not preload no_such_module_anywhere")
+            && log.contains("ModuleNotFoundError"),
+        "{log}"
+    );
+}
+
+#[test]
+fn calls_that_arrive_before_the_zygote_is_ready_wait_for_it() {
+    let dir = common::scratch("agent-slow");
+    std::fs::write(dir.join("slow_import.py"), "import time\ntime.sleep(2)\n").unwrap();
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(
+        &engine.url,
+        &["--preload", "slow_import"],
+        &[("PYTHONPATH", dir.to_str().unwrap())],
+    );
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run(
+        "w1",
+        "import sys\ndef process():\n    return 'slow_import' in sys.modules\n",
+        json!({}),
+    ));
+    assert_eq!(connection.reply("w1", WAIT).1["result"], true);
+}
+
+/// A certificate authority and a server certificate for 127.0.0.1 and
+/// localhost, made with openssl: (ca.pem path, server chain, server key).
+fn certificates(dir: &std::path::Path) -> (std::path::PathBuf, Vec<u8>, Vec<u8>) {
+    let run = |args: &[&str]| {
+        let status = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "openssl {args:?}");
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=fluksio test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    (
+        dir.join("ca.pem"),
+        std::fs::read(dir.join("server.pem")).unwrap(),
+        std::fs::read(dir.join("server.key")).unwrap(),
+    )
+}
+
+#[test]
+fn wss_verifies_the_engine_with_the_given_ca() {
+    let dir = common::scratch("agent-tls");
+    let (ca, chain, key) = certificates(&dir);
+    let engine = Engine::start_with(Answer::Welcome, Some((chain, key)));
+    let url = format!("wss://localhost:{}/api/v1/workers/attach", engine.port);
+    let _agent = Agent::start(&url, &["--ca-cert", ca.to_str().unwrap()], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run(
+        "tls",
+        "def process():\n    return 'over tls'\n",
+        json!({}),
+    ));
+    assert_eq!(connection.reply("tls", WAIT).1["result"], "over tls");
+
+    // Without the CA the engine's certificate is not trusted: no session.
+    let mut untrusting = Agent::start(&url, &[], &[]);
+    assert!(
+        engine.try_next_connection(Duration::from_secs(3)).is_none(),
+        "an untrusted engine must not be attached to"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let log = untrusting.log();
+    assert!(
+        log.contains("retrying") && (log.contains("certificate") || log.contains("Certificate")),
+        "{log}"
+    );
+    let _ = untrusting.child.kill();
+}
+
+/// What one worker answers to the same session: its hello, then the events
+/// and reply of each request (timestamps and heartbeats aside).
+fn scenario(engine: &Engine) -> (Value, Vec<(Vec<Value>, Value)>) {
+    let connection = engine.next_connection(WAIT);
+    let requests = [
+        run(
+            "r1",
+            "def process(x):\n    print('hi')\n    return {'double': x * 2, 'f': 0.5}\n",
+            json!({"x": 21}),
+        ),
+        run(
+            "r2",
+            "import fluksio\ndef process():\n    yield {'a': 1}\n    fluksio.emit(b=[1, 2])\n    return 'done'\n",
+            json!({}),
+        ),
+        run("r3", "def process():\n    raise KeyError('k')\n", json!({})),
+        compile("r4", "print('loading')\ndef process():\n    return 1\n"),
+        run(
+            "r5",
+            "import os\ndef process():\n    return os.environ.get('FLUKSIO_ARTIFACT_URL')\n",
+            json!({}),
+        ),
+    ];
+    let answers = requests
+        .iter()
+        .map(|request| {
+            let (events, reply) = connection.reply_to(request, WAIT);
+            let events = without_heartbeats(events)
+                .into_iter()
+                .map(|mut e| {
+                    e.as_object_mut().unwrap().remove("ts");
+                    e
+                })
+                .collect();
+            (events, reply)
+        })
+        .collect();
+    (connection.hello.clone(), answers)
+}
+
+#[test]
+fn hello_and_replies_match_the_reference_agent() {
+    let theirs = {
+        let engine = Engine::start(Answer::Welcome);
+        let agent_py = common::reference_dir().join("fluksio_worker/agent.py");
+        let mut child = Command::new(common::python())
+            .arg(agent_py)
+            .args([
+                "--url",
+                &engine.url,
+                "--token",
+                TOKEN,
+                "--name",
+                "same",
+                "--labels",
+                "a,b",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("agent.py starts (pip install websockets)");
+        let seen = scenario(&engine);
+        let _ = child.kill();
+        let _ = child.wait();
+        seen
+    };
+    let ours = {
+        let engine = Engine::start(Answer::Welcome);
+        let _agent = Agent::start(&engine.url, &["--name", "same", "--labels", "a,b"], &[]);
+        scenario(&engine)
+    };
+    let (mut their_hello, mut our_hello) = (theirs.0, ours.0);
+    // agent.py reports the installed fluksio-worker's version (none here).
+    their_hello.as_object_mut().unwrap().remove("version");
+    our_hello.as_object_mut().unwrap().remove("version");
+    assert_eq!(our_hello, their_hello, "hello");
+    for (index, (theirs, ours)) in theirs.1.iter().zip(&ours.1).enumerate() {
+        let mut ours = ours.clone();
+        if index == 4 {
+            // Each engine listens on its own port.
+            ours.1["result"] = theirs.1["result"].clone();
+        }
+        assert_eq!(&ours, theirs, "request {index}");
+    }
 }

@@ -38,46 +38,92 @@ impl Running {
         if let Some(pidfd) = &self.pidfd {
             // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but a null siginfo.
             unsafe {
-                libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, std::ptr::null::<libc::siginfo_t>(), 0)
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
             };
         }
     }
 }
 
 /// Serves one run or compile to its end.
-pub async fn serve(agent: Arc<Agent>, session: Arc<Session>, mut request: BTreeMap<String, Box<RawValue>>) {
+pub async fn serve(
+    agent: Arc<Agent>,
+    session: Arc<Session>,
+    mut request: BTreeMap<String, Box<RawValue>>,
+) {
     let started = Instant::now();
     let call_id = text_of(request.get("call_id"));
-    let id = request.get("id").map(|raw| raw.to_owned()).unwrap_or_else(|| raw("null"));
+    let id = request
+        .get("id")
+        .map(|raw| raw.to_owned())
+        .unwrap_or_else(|| raw("null"));
     let op = text_of(request.get("op"));
     let env = take_env(&mut request, agent.cuda_mask.as_deref());
     if !env.is_empty() {
-        request.insert("env".into(), raw(&serde_json::to_string(&env).expect("strings")));
+        request.insert(
+            "env".into(),
+            raw(&serde_json::to_string(&env).expect("strings")),
+        );
     }
     let line = serde_json::to_vec(&request).expect("raw JSON values serialise");
     tracing::info!(call = %call_id, "{op} started");
-    session.running.lock().unwrap_or_else(|e| e.into_inner()).insert(call_id.clone(), Running::default());
+    session
+        .running
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(call_id.clone(), Running::default());
     let heartbeat = session.heartbeat(&call_id);
     let outcome = follow(&agent, &session, &call_id, &id, line).await;
     heartbeat.abort();
-    session.running.lock().unwrap_or_else(|e| e.into_inner()).remove(&call_id);
+    session
+        .running
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&call_id);
     agent.call_ended();
     tracing::info!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "{op} ended: {outcome}");
 }
 
 /// The call's lines to the engine; what happened, for the log.
-async fn follow(agent: &Agent, session: &Session, call_id: &str, id: &RawValue, line: Vec<u8>) -> String {
+async fn follow(
+    agent: &Agent,
+    session: &Session,
+    call_id: &str,
+    id: &RawValue,
+    line: Vec<u8>,
+) -> String {
     let zygote = match agent.zygote().await {
         Ok(zygote) => zygote,
         Err(why) => {
-            session.send_raw(&protocol::failure_reply(id, call_id, "RemoteError", &why, "")).await;
+            session
+                .send_raw(&protocol::failure_reply(
+                    id,
+                    call_id,
+                    "RemoteError",
+                    &why,
+                    "",
+                ))
+                .await;
             return format!("no zygote: {why}");
         }
     };
     let (ticket, mut events) = match zygote.call(line).await {
         Ok(call) => call,
         Err(why) => {
-            session.send_raw(&protocol::failure_reply(id, call_id, "RemoteError", &why, "")).await;
+            session
+                .send_raw(&protocol::failure_reply(
+                    id,
+                    call_id,
+                    "RemoteError",
+                    &why,
+                    "",
+                ))
+                .await;
             return why;
         }
     };
@@ -108,15 +154,32 @@ async fn follow(agent: &Agent, session: &Session, call_id: &str, id: &RawValue, 
                     break "replied".into();
                 }
                 let cancelled = session.cancelled(call_id);
-                session.send_raw(&ended_reply(id, call_id, end, cancelled, &logs)).await;
+                session
+                    .send_raw(&ended_reply(id, call_id, end, cancelled, &logs))
+                    .await;
                 break format!("the node process {end}");
             }
-            Event::Frame(Frame::Done { .. }) => break if replied { "replied".into() } else { "no reply".into() },
+            Event::Frame(Frame::Done { .. }) => {
+                break if replied {
+                    "replied".into()
+                } else {
+                    "no reply".into()
+                };
+            }
             Event::Frame(other) => tracing::warn!("unexpected from the zygote: {other:?}"),
             Event::Gone(why) => {
                 if !replied {
-                    let message = format!("{why} while the call ran; a new zygote serves the next calls");
-                    session.send_raw(&protocol::failure_reply(id, call_id, "RemoteError", &message, "")).await;
+                    let message =
+                        format!("{why} while the call ran; a new zygote serves the next calls");
+                    session
+                        .send_raw(&protocol::failure_reply(
+                            id,
+                            call_id,
+                            "RemoteError",
+                            &message,
+                            "",
+                        ))
+                        .await;
                 }
                 break why;
             }
@@ -153,18 +216,33 @@ async fn forward_pipe(session: &Session, pipe: OwnedFd) -> bool {
 
 /// The reply for a child that ended without one (PROTOCOL.md, section 2),
 /// saying how it ended.
-fn ended_reply(id: &RawValue, call_id: &str, end: ChildEnd, cancelled: bool, logs: &str) -> Vec<u8> {
+fn ended_reply(
+    id: &RawValue,
+    call_id: &str,
+    end: ChildEnd,
+    cancelled: bool,
+    logs: &str,
+) -> Vec<u8> {
     let (kind, message) = if cancelled {
-        ("NodeCancelled", format!("the node process was cancelled ({end})"))
+        (
+            "NodeCancelled",
+            format!("the node process was cancelled ({end})"),
+        )
     } else {
-        (protocol::ENDED_WITHOUT_REPLY, format!("the node process {end} before it replied"))
+        (
+            protocol::ENDED_WITHOUT_REPLY,
+            format!("the node process {end} before it replied"),
+        )
     };
     protocol::failure_reply(id, call_id, kind, &message, logs)
 }
 
 /// The call's `env`, taken off the request: values as strings,
 /// `CUDA_VISIBLE_DEVICES` read as positions in this agent's own mask.
-fn take_env(request: &mut BTreeMap<String, Box<RawValue>>, mask: Option<&str>) -> BTreeMap<String, String> {
+fn take_env(
+    request: &mut BTreeMap<String, Box<RawValue>>,
+    mask: Option<&str>,
+) -> BTreeMap<String, String> {
     let Some(raw) = request.remove("env") else {
         return BTreeMap::new();
     };
@@ -181,7 +259,10 @@ fn take_env(request: &mut BTreeMap<String, Box<RawValue>>, mask: Option<&str>) -
             (key, value)
         })
         .collect();
-    if let (Some(mask), Some(requested)) = (mask.filter(|m| !m.is_empty()), env.get("CUDA_VISIBLE_DEVICES").filter(|r| !r.is_empty())) {
+    if let (Some(mask), Some(requested)) = (
+        mask.filter(|m| !m.is_empty()),
+        env.get("CUDA_VISIBLE_DEVICES").filter(|r| !r.is_empty()),
+    ) {
         let remapped = super::env::remap_cuda(mask, requested);
         env.insert("CUDA_VISIBLE_DEVICES".into(), remapped);
     }

@@ -10,13 +10,15 @@ const DENY_WORDS: [&str; 3] = ["PASSWORD", "SECRET", "TOKEN"];
 /// Whether `key` may reach node code.
 pub fn allowed(key: &str) -> bool {
     let upper = key.to_uppercase();
-    !DENY_PREFIXES.iter().any(|p| key.starts_with(p)) && !DENY_WORDS.iter().any(|w| upper.contains(w))
+    !DENY_PREFIXES.iter().any(|p| key.starts_with(p))
+        && !DENY_WORDS.iter().any(|w| upper.contains(w))
 }
 
 /// This host's environment with its credentials taken out, plus where the
 /// artifact store is. Not a sandbox: node code runs as the same user.
 pub fn node_env(artifact_url: &str) -> BTreeMap<String, String> {
-    let mut env: BTreeMap<String, String> = std::env::vars().filter(|(key, _)| allowed(key)).collect();
+    let mut env: BTreeMap<String, String> =
+        std::env::vars().filter(|(key, _)| allowed(key)).collect();
     env.insert(crate::artifacts::URL_ENV.into(), artifact_url.into());
     env
 }
@@ -25,7 +27,11 @@ pub fn node_env(artifact_url: &str) -> BTreeMap<String, String> {
 /// runs under (a batch scheduler's `CUDA_VISIBLE_DEVICES=2,3`: the engine,
 /// counting from this agent's inventory, asks for device 0).
 pub fn remap_cuda(mask: &str, requested: &str) -> String {
-    let devices: Vec<&str> = mask.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+    let devices: Vec<&str> = mask
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect();
     requested
         .split(',')
         .map(str::trim)
@@ -43,7 +49,9 @@ pub fn remap_cuda(mask: &str, requested: &str) -> String {
 
 /// The artifact endpoint beside the socket, so one URL configures both.
 pub fn artifacts_from(url: &str) -> String {
-    let base = url.replacen("wss://", "https://", 1).replacen("ws://", "http://", 1);
+    let base = url
+        .replacen("wss://", "https://", 1)
+        .replacen("ws://", "http://", 1);
     let base = match base.rsplit_once("/workers/attach") {
         Some((before, _)) => before.to_string(),
         None => base,
@@ -61,13 +69,18 @@ pub fn encrypted_or_local(url: &str) -> bool {
         return true;
     }
     let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let authority = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    let authority = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
     let host = if let Some(bracketed) = authority.strip_prefix('[') {
         bracketed.split(']').next().unwrap_or("")
     } else {
         authority.split(':').next().unwrap_or("")
     };
-    host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 #[cfg(test)]
@@ -76,7 +89,15 @@ mod tests {
 
     #[test]
     fn credentials_never_reach_node_code() {
-        for key in ["SECRET_KEY", "DATABASE_URL_RO", "MY_API_TOKEN", "db_password", "FLUKSIO_WORKER_TOKEN", "FLUKSIO_ARTIFACT_TOKEN", "SENTRY_DSN"] {
+        for key in [
+            "SECRET_KEY",
+            "DATABASE_URL_RO",
+            "MY_API_TOKEN",
+            "db_password",
+            "FLUKSIO_WORKER_TOKEN",
+            "FLUKSIO_ARTIFACT_TOKEN",
+            "SENTRY_DSN",
+        ] {
             assert!(!allowed(key), "{key}");
         }
         for key in ["PATH", "HOME", "CUDA_VISIBLE_DEVICES", "LANG"] {
@@ -94,8 +115,14 @@ mod tests {
 
     #[test]
     fn urls_as_agent_py_reads_them() {
-        assert_eq!(artifacts_from("wss://e.example/api/v1/workers/attach"), "https://e.example/api/v1/artifacts");
-        assert_eq!(artifacts_from("ws://127.0.0.1:8000/api/v1/workers/attach"), "http://127.0.0.1:8000/api/v1/artifacts");
+        assert_eq!(
+            artifacts_from("wss://e.example/api/v1/workers/attach"),
+            "https://e.example/api/v1/artifacts"
+        );
+        assert_eq!(
+            artifacts_from("ws://127.0.0.1:8000/api/v1/workers/attach"),
+            "http://127.0.0.1:8000/api/v1/artifacts"
+        );
         assert!(encrypted_or_local("wss://e.example/x"));
         assert!(encrypted_or_local("ws://localhost:8000/x"));
         assert!(encrypted_or_local("ws://127.0.0.1/x"));

@@ -35,12 +35,17 @@ fn inventory(options: &AgentOptions) -> Value {
 }
 
 fn digits(name: &str) -> Option<u64> {
-    std::env::var(name).ok().filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))?.parse().ok()
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))?
+        .parse()
+        .ok()
 }
 
 /// Cores this agent may use: what the batch job was given, or the machine.
 fn detect_cpus() -> u64 {
-    digits("SLURM_CPUS_ON_NODE").unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64))
+    digits("SLURM_CPUS_ON_NODE")
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64))
 }
 
 /// Memory in MB, or None where it cannot be asked, which is allowed.
@@ -49,7 +54,12 @@ fn detect_ram_mb() -> Option<u64> {
         return Some(given);
     }
     // SAFETY: sysconf only reads system configuration.
-    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGE_SIZE)) };
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGE_SIZE),
+        )
+    };
     (pages > 0 && size > 0).then(|| pages as u64 * size as u64 / (1 << 20))
 }
 
@@ -73,7 +83,8 @@ fn detect_gpus() -> u64 {
                 .filter(|e| {
                     let name = e.file_name();
                     let name = name.to_string_lossy();
-                    name.strip_prefix("nvidia").is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit()))
+                    name.strip_prefix("nvidia")
+                        .is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit()))
                 })
                 .count() as u64
         })
@@ -89,7 +100,11 @@ pub fn venv_digest(python: &Path) -> String {
         .stderr(std::process::Stdio::null())
         .output();
     match listing {
-        Ok(output) => Sha256::digest(&output.stdout).iter().take(8).map(|b| format!("{b:02x}")).collect(),
+        Ok(output) => Sha256::digest(&output.stdout)
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect(),
         Err(_) => String::new(),
     }
 }

@@ -131,13 +131,20 @@ impl Agent {
 
     /// How often to look for `--max-idle`, if it is set.
     fn idle_tick(&self) -> Option<Duration> {
-        (self.options.max_idle > 0.0).then(|| Duration::from_secs_f64((self.options.max_idle / 4.0).clamp(0.25, 30.0)))
+        (self.options.max_idle > 0.0)
+            .then(|| Duration::from_secs_f64((self.options.max_idle / 4.0).clamp(0.25, 30.0)))
     }
 
     fn idle_past_limit(&self) -> bool {
         self.options.max_idle > 0.0
             && self.active.load(Ordering::SeqCst) == 0
-            && self.last_done.lock().unwrap_or_else(|e| e.into_inner()).elapsed().as_secs_f64() >= self.options.max_idle
+            && self
+                .last_done
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .elapsed()
+                .as_secs_f64()
+                >= self.options.max_idle
     }
 }
 
@@ -171,7 +178,10 @@ pub fn run(options: AgentOptions) -> ExitCode {
     };
     // One thread: enough for sockets and pipes, and what a service is
     // started from (its parent-death signal follows the starting thread).
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("fluksio-zygote agent: could not start: {error}");
@@ -199,7 +209,10 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
         launch: Launch {
             python: options.zygote.python.clone(),
             preload: options.zygote.preload.clone(),
-            env: node_env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            env: node_env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             token: options.token.clone(),
         },
         cuda_mask: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
@@ -221,7 +234,8 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
     });
     let stopper = agent.stop.clone();
     tokio::spawn(async move {
-        let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let mut terminate =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = async { match terminate.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
@@ -233,7 +247,12 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
     let mut backoff = Duration::from_secs(1);
     loop {
         let end = session::run(&agent, stopping.clone()).await;
-        if let Some(why) = agent.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+        if let Some(why) = agent
+            .fatal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
             tracing::error!("{why}");
             return ExitCode::FAILURE;
         }
@@ -262,7 +281,12 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
             SessionEnd::Stopped => return ExitCode::SUCCESS,
         }
         if *stopping.borrow() {
-            if let Some(why) = agent.fatal.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            if let Some(why) = agent
+                .fatal
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+            {
                 tracing::error!("{why}");
                 return ExitCode::FAILURE;
             }

@@ -26,14 +26,23 @@ const STOP_GRACE: Duration = Duration::from_secs(3);
 const TAIL_BYTES: usize = 4096;
 
 /// Runs one service to its end, then says why it ended.
-pub async fn serve(agent: Arc<Agent>, session: Arc<Session>, request: BTreeMap<String, Box<RawValue>>, stop: oneshot::Receiver<()>) {
+pub async fn serve(
+    agent: Arc<Agent>,
+    session: Arc<Session>,
+    request: BTreeMap<String, Box<RawValue>>,
+    stop: oneshot::Receiver<()>,
+) {
     let started = Instant::now();
     let call_id = text_of(request.get("call_id"));
     tracing::info!(call = %call_id, "serve started");
     let heartbeat = session.heartbeat(&call_id);
     let reason = run(&agent, &request, stop).await;
     heartbeat.abort();
-    session.services.lock().unwrap_or_else(|e| e.into_inner()).remove(&call_id);
+    session
+        .services
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&call_id);
     agent.call_ended();
     tracing::info!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "serve ended: {reason}");
     let reply = serde_json::json!({
@@ -44,8 +53,15 @@ pub async fn serve(agent: Arc<Agent>, session: Arc<Session>, request: BTreeMap<S
     session.send_raw(reply.to_string().as_bytes()).await;
 }
 
-async fn run(agent: &Agent, request: &BTreeMap<String, Box<RawValue>>, mut stop: oneshot::Receiver<()>) -> String {
-    let argv: Vec<String> = match request.get("argv").map(|raw| serde_json::from_str::<Vec<serde_json::Value>>(raw.get())) {
+async fn run(
+    agent: &Agent,
+    request: &BTreeMap<String, Box<RawValue>>,
+    mut stop: oneshot::Receiver<()>,
+) -> String {
+    let argv: Vec<String> = match request
+        .get("argv")
+        .map(|raw| serde_json::from_str::<Vec<serde_json::Value>>(raw.get()))
+    {
         Some(Ok(parts)) if !parts.is_empty() => parts
             .into_iter()
             .map(|p| match p {
@@ -56,7 +72,10 @@ async fn run(agent: &Agent, request: &BTreeMap<String, Box<RawValue>>, mut stop:
         _ => return "ValueError: a serve call needs a non-empty argv".into(),
     };
     let mut env: BTreeMap<String, String> = agent.node_env.clone();
-    if let Some(Ok(extra)) = request.get("env").map(|raw| serde_json::from_str::<BTreeMap<String, serde_json::Value>>(raw.get())) {
+    if let Some(Ok(extra)) = request
+        .get("env")
+        .map(|raw| serde_json::from_str::<BTreeMap<String, serde_json::Value>>(raw.get()))
+    {
         for (key, value) in extra {
             let value = match value {
                 serde_json::Value::String(s) => s,
@@ -81,7 +100,9 @@ async fn run(agent: &Agent, request: &BTreeMap<String, Box<RawValue>>, mut stop:
         match fetched {
             Ok(path) => {
                 let path = path.display().to_string();
-                argv.into_iter().map(|part| part.replace("{weights}", &path)).collect()
+                argv.into_iter()
+                    .map(|part| part.replace("{weights}", &path))
+                    .collect()
             }
             Err(why) => return format!("RuntimeError: could not fetch {weights}: {why}"),
         }
@@ -112,7 +133,10 @@ async fn run(agent: &Agent, request: &BTreeMap<String, Box<RawValue>>, mut stop:
         Err(error) => return format!("{}: {error}", io_kind_name(&error)),
     };
     let pid = child.id().unwrap_or(0) as i32;
-    let (mut stdout, mut stderr) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
+    let (mut stdout, mut stderr) = (
+        child.stdout.take().expect("piped"),
+        child.stderr.take().expect("piped"),
+    );
     let mut tail: Vec<u8> = Vec::new();
     let mut open = (true, true);
     let (mut out_buffer, mut err_buffer) = (vec![0u8; 65536], vec![0u8; 65536]);
@@ -134,9 +158,18 @@ async fn run(agent: &Agent, request: &BTreeMap<String, Box<RawValue>>, mut stop:
         }
     };
     // Whatever it left running in its session goes with it.
-    crate::process::kill_group(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-    let code = status.and_then(|s| s.code().or_else(|| std::os::unix::process::ExitStatusExt::signal(&s).map(|s| 128 + s)));
-    let mut reason = format!("the service exited with code {}", code.map_or("?".into(), |c| c.to_string()));
+    crate::process::kill_group(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let code = status.and_then(|s| {
+        s.code()
+            .or_else(|| std::os::unix::process::ExitStatusExt::signal(&s).map(|s| 128 + s))
+    });
+    let mut reason = format!(
+        "the service exited with code {}",
+        code.map_or("?".into(), |c| c.to_string())
+    );
     let text = String::from_utf8_lossy(&tail);
     if let Some(last) = text.trim().lines().last() {
         reason.push_str(": ");

@@ -84,11 +84,21 @@ impl Session {
     /// A run or compile: SIGKILL now. A service: SIGTERM, grace, SIGKILL.
     /// An unknown id is ignored.
     fn cancel(&self, call_id: &str) {
-        if let Some(running) = self.running.lock().unwrap_or_else(|e| e.into_inner()).get_mut(call_id) {
+        if let Some(running) = self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(call_id)
+        {
             tracing::info!(call = %call_id, "cancelling");
             running.kill();
         }
-        if let Some(stop) = self.services.lock().unwrap_or_else(|e| e.into_inner()).remove(call_id) {
+        if let Some(stop) = self
+            .services
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(call_id)
+        {
             tracing::info!(call = %call_id, "stopping");
             let _ = stop.send(());
         }
@@ -96,10 +106,20 @@ impl Session {
 
     /// Ends every call and service of this session.
     fn end_everything(&self) {
-        for running in self.running.lock().unwrap_or_else(|e| e.into_inner()).values_mut() {
+        for running in self
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values_mut()
+        {
             running.kill();
         }
-        for (_, stop) in self.services.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+        for (_, stop) in self
+            .services
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+        {
             let _ = stop.send(());
         }
     }
@@ -139,14 +159,17 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
                 agent.options.labels
             );
         }
-        Some(Ok(other)) => return SessionEnd::Refused(format!("the engine answered hello with {other:?}")),
+        Some(Ok(other)) => {
+            return SessionEnd::Refused(format!("the engine answered hello with {other:?}"));
+        }
         Some(Err(error)) => return SessionEnd::Failed(error.to_string()),
         None => return SessionEnd::Failed("the engine closed the connection after hello".into()),
     }
 
     let (out, mut outgoing) = mpsc::channel::<Message>(OUTGOING);
     let writer = tokio::spawn(async move {
-        let mut pings = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
+        let mut pings =
+            tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
         loop {
             let message = tokio::select! {
                 message = outgoing.recv() => match message {
@@ -199,30 +222,57 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
 
 /// The WebSocket, with the token in a header (never the URL, which logs
 /// keep) and no limit on a frame's size.
-async fn connect(agent: &Agent) -> Result<tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>, SessionEnd> {
+async fn connect(
+    agent: &Agent,
+) -> Result<
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
+    SessionEnd,
+> {
     let mut request = agent
         .options
         .url
         .as_str()
         .into_client_request()
-        .map_err(|e| SessionEnd::Refused(format!("{} is not a WebSocket URL: {e}", agent.options.url)))?;
+        .map_err(|e| {
+            SessionEnd::Refused(format!("{} is not a WebSocket URL: {e}", agent.options.url))
+        })?;
     let bearer = format!("Bearer {}", agent.options.token);
-    request
-        .headers_mut()
-        .insert("Authorization", bearer.parse().map_err(|_| SessionEnd::Refused("the token is not a valid header value".into()))?);
+    request.headers_mut().insert(
+        "Authorization",
+        bearer
+            .parse()
+            .map_err(|_| SessionEnd::Refused("the token is not a valid header value".into()))?,
+    );
     let config = tungstenite::protocol::WebSocketConfig::default()
         .max_message_size(None)
         .max_frame_size(None);
     let connector = tokio_tungstenite::Connector::Rustls(Arc::clone(&agent.tls));
-    match tokio_tungstenite::connect_async_tls_with_config(request, Some(config), true, Some(connector)).await {
+    match tokio_tungstenite::connect_async_tls_with_config(
+        request,
+        Some(config),
+        true,
+        Some(connector),
+    )
+    .await
+    {
         Ok((stream, _response)) => Ok(stream),
-        Err(tungstenite::Error::Http(response)) if matches!(response.status().as_u16(), 401 | 403) => {
-            let body = response.body().as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+        Err(tungstenite::Error::Http(response))
+            if matches!(response.status().as_u16(), 401 | 403) =>
+        {
+            let body = response
+                .body()
+                .as_deref()
+                .map(String::from_utf8_lossy)
+                .unwrap_or_default();
             let first = body.lines().next().unwrap_or("").trim().to_string();
             Err(SessionEnd::Refused(format!(
                 "the engine refused the token (HTTP {}){}",
                 response.status().as_u16(),
-                if first.is_empty() { String::new() } else { format!(": {first}") }
+                if first.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {first}")
+                }
             )))
         }
         Err(error) => Err(SessionEnd::Failed(error.to_string())),
@@ -244,9 +294,18 @@ fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>,
         "serve" => {
             let (stop, stopped) = oneshot::channel();
             let call_id = text_of(message.get("call_id"));
-            session.services.lock().unwrap_or_else(|e| e.into_inner()).insert(call_id, stop);
+            session
+                .services
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(call_id, stop);
             agent.call_started();
-            calls.spawn(service::serve(Arc::clone(agent), Arc::clone(session), message, stopped));
+            calls.spawn(service::serve(
+                Arc::clone(agent),
+                Arc::clone(session),
+                message,
+                stopped,
+            ));
         }
         "cancel" => session.cancel(&text_of(message.get("call_id"))),
         _ => {}

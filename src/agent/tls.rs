@@ -21,7 +21,9 @@ pub fn client_config(ca_cert: Option<&Path>) -> Result<Arc<rustls::ClientConfig>
             return Err(format!("--ca-cert {} holds no certificate", path.display()));
         }
         for cert in certs {
-            roots.add(cert).map_err(|e| format!("--ca-cert {}: {e}", path.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("--ca-cert {}: {e}", path.display()))?;
         }
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());

@@ -55,8 +55,11 @@ impl Zygote {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| e.to_string())?;
         let theirs: OwnedFd = theirs.into();
         let theirs_fd = theirs.as_raw_fd();
-        let mut command = std::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
-        command.args(["zygote", "--link-fd", "3", "--python"]).arg(&launch.python);
+        let mut command =
+            std::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+        command
+            .args(["zygote", "--link-fd", "3", "--python"])
+            .arg(&launch.python);
         if !launch.preload.is_empty() {
             command.arg("--preload").arg(launch.preload.join(","));
         }
@@ -66,7 +69,10 @@ impl Zygote {
             .env(crate::artifacts::TOKEN_ENV, &launch.token)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::from(
-                std::io::stderr().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?,
+                std::io::stderr()
+                    .as_fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| e.to_string())?,
             ));
         // SAFETY: between fork and exec only async-signal-safe calls: dup2,
         // setsid, prctl, getppid.
@@ -109,7 +115,9 @@ impl Zygote {
             Err(why) => {
                 let status = child.wait().await.ok();
                 return Err(match status {
-                    Some(status) if why.is_empty() => format!("the zygote ended as it started ({status})"),
+                    Some(status) if why.is_empty() => {
+                        format!("the zygote ended as it started ({status})")
+                    }
                     _ => why,
                 });
             }
@@ -124,7 +132,9 @@ impl Zygote {
             match receiver.next_frame() {
                 Ok(Some(Frame::Ready)) => return Ok(()),
                 Ok(Some(Frame::Failed { message })) => return Err(message),
-                Ok(Some(other)) => return Err(format!("the zygote said {other:?} before it was ready")),
+                Ok(Some(other)) => {
+                    return Err(format!("the zygote said {other:?} before it was ready"));
+                }
                 Ok(None) => {}
                 Err(error) => return Err(error),
             }
@@ -198,11 +208,17 @@ impl Zygote {
 
     /// Whether it still serves.
     pub fn alive(&self) -> bool {
-        self.gone.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+        self.gone
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
     }
 
     /// Sends a request; its frames come on the receiver, with its ticket.
-    pub async fn call(&self, request: Vec<u8>) -> Result<(u64, mpsc::UnboundedReceiver<Event>), String> {
+    pub async fn call(
+        &self,
+        request: Vec<u8>,
+    ) -> Result<(u64, mpsc::UnboundedReceiver<Event>), String> {
         let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         let (sender, receiver) = mpsc::unbounded_channel();
         {
@@ -212,13 +228,18 @@ impl Zygote {
             }
             calls.insert(ticket, sender);
         }
-        self.send(&Frame::Call { ticket, request }).await.map_err(|e| format!("the zygote did not take the call: {e}"))?;
+        self.send(&Frame::Call { ticket, request })
+            .await
+            .map_err(|e| format!("the zygote did not take the call: {e}"))?;
         Ok((ticket, receiver))
     }
 
     /// Forgets a call that ended.
     pub fn done(&self, ticket: u64) {
-        self.calls.lock().unwrap_or_else(|e| e.into_inner()).remove(&ticket);
+        self.calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&ticket);
     }
 
     /// Writes a frame without blocking the runtime: a zygote busy loading
@@ -231,8 +252,12 @@ impl Zygote {
         while sent < bytes.len() {
             let mut guard = self.link.writable().await?;
             match guard.try_io(|fd| {
-                nix::sys::socket::send(fd.get_ref().as_raw_fd(), &bytes[sent..], nix::sys::socket::MsgFlags::MSG_NOSIGNAL)
-                    .map_err(std::io::Error::from)
+                nix::sys::socket::send(
+                    fd.get_ref().as_raw_fd(),
+                    &bytes[sent..],
+                    nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+                )
+                .map_err(std::io::Error::from)
             }) {
                 Ok(Ok(n)) => sent += n,
                 Ok(Err(error)) if error.kind() == std::io::ErrorKind::Interrupted => {}

@@ -199,7 +199,8 @@ impl Zygote {
         request: &Request,
         out: &mut dyn CallOutput,
     ) -> Result<(), MustRecover> {
-        self.serve_maybe_detached(py, request, out, false).map(|_| ())
+        self.serve_maybe_detached(py, request, out, false)
+            .map(|_| ())
     }
 
     /// Serves one request as [`Zygote::serve`] does, except a run: once its
@@ -311,7 +312,12 @@ impl Zygote {
 
     /// A run: its lines out as they come; once it has replied, its session
     /// is killed and it is reaped later, off the next call's clock.
-    fn run(&mut self, assignment: &Assignment, mut flight: Flight, out: &mut dyn CallOutput) -> Result<(), Stop> {
+    fn run(
+        &mut self,
+        assignment: &Assignment,
+        mut flight: Flight,
+        out: &mut dyn CallOutput,
+    ) -> Result<(), Stop> {
         match flight.follow_to_reply(out) {
             Ok(true) => {
                 self.children.land_later(flight);

@@ -39,14 +39,24 @@ pub fn run(options: &ZygoteOptions, link: RawFd) -> ExitCode {
         }
     }
     if let Err(error) = super::boot(options) {
-        let _ = link::send(socket.as_fd(), &Frame::Failed { message: error.to_string() });
+        let _ = link::send(
+            socket.as_fd(),
+            &Frame::Failed {
+                message: error.to_string(),
+            },
+        );
         return ExitCode::from(2);
     }
     Python::attach(|py| {
         let mut zygote = match Zygote::new(py, options) {
             Ok(zygote) => zygote,
             Err(error) => {
-                let _ = link::send(socket.as_fd(), &Frame::Failed { message: error.to_string() });
+                let _ = link::send(
+                    socket.as_fd(),
+                    &Frame::Failed {
+                        message: error.to_string(),
+                    },
+                );
                 return ExitCode::from(2);
             }
         };
@@ -104,7 +114,9 @@ impl Server<'_> {
                             return code;
                         }
                     }
-                    Ok(Some(other)) => tracing::warn!("the zygote ignores an unexpected frame: {other:?}"),
+                    Ok(Some(other)) => {
+                        tracing::warn!("the zygote ignores an unexpected frame: {other:?}")
+                    }
                     Ok(None) => break,
                     Err(error) => {
                         tracing::error!("the agent sent a frame the zygote cannot read: {error}");
@@ -130,15 +142,28 @@ impl Server<'_> {
                 None => watched_all = false,
             }
         }
-        let timeout = if watched_all { PollTimeout::NONE } else { PollTimeout::from(FALLBACK_POLL_MS) };
+        let timeout = if watched_all {
+            PollTimeout::NONE
+        } else {
+            PollTimeout::from(FALLBACK_POLL_MS)
+        };
         match poll(&mut fds, timeout) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(error) => return Err(error.into()),
         }
         let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
-        let mut exited: Vec<usize> = owners.iter().zip(&fds[1..]).filter(|(_, fd)| ready(fd)).map(|(&i, _)| i).collect();
+        let mut exited: Vec<usize> = owners
+            .iter()
+            .zip(&fds[1..])
+            .filter(|(_, fd)| ready(fd))
+            .map(|(&i, _)| i)
+            .collect();
         if !watched_all {
-            exited.extend((0..self.runs.len()).filter(|&i| self.runs[i].1.exit_poll().is_none() && self.runs[i].1.has_exited()));
+            exited.extend(
+                (0..self.runs.len()).filter(|&i| {
+                    self.runs[i].1.exit_poll().is_none() && self.runs[i].1.has_exited()
+                }),
+            );
             exited.sort_unstable();
             exited.dedup();
         }
@@ -146,8 +171,17 @@ impl Server<'_> {
     }
 
     /// Serves one request; `Some` exit code when the zygote must stop.
-    fn call(&mut self, py: Python<'_>, zygote: &mut Zygote, ticket: u64, request: &[u8]) -> Option<ExitCode> {
-        let mut out = LinkOutput { socket: self.socket, ticket };
+    fn call(
+        &mut self,
+        py: Python<'_>,
+        zygote: &mut Zygote,
+        ticket: u64,
+        request: &[u8],
+    ) -> Option<ExitCode> {
+        let mut out = LinkOutput {
+            socket: self.socket,
+            ticket,
+        };
         let request = match protocol::parse_request(request) {
             Ok(request) => request,
             Err(refusal) => {
@@ -178,7 +212,9 @@ impl Server<'_> {
                 return Some(ExitCode::from(MUST_RESTART));
             }
         }
-        zygote.needs_recovery().then(|| ExitCode::from(MUST_RESTART))
+        zygote
+            .needs_recovery()
+            .then(|| ExitCode::from(MUST_RESTART))
     }
 
     /// A run's child has exited: its session killed, reaped, reported.
@@ -186,7 +222,11 @@ impl Server<'_> {
         match flight.land(&mut Discard) {
             Ok(landed) => {
                 let logs = landed.logs.text_lossy();
-                self.send(Frame::Ended { ticket, end: landed.reaped.end, logs });
+                self.send(Frame::Ended {
+                    ticket,
+                    end: landed.reaped.end,
+                    logs,
+                });
                 zygote.recycle(landed.logs);
             }
             Err(error) => tracing::error!("could not reap a call's process: {error}"),
@@ -228,7 +268,14 @@ impl CallOutput for LinkOutput<'_> {
     fn started(&mut self, pid: Pid) {
         let watch = ExitWatch::new(pid);
         if let Some(pidfd) = watch.fd().and_then(|fd| fd.try_clone_to_owned().ok()) {
-            let _ = link::send(self.socket, &Frame::Started { ticket: self.ticket, pid: pid.as_raw(), pidfd });
+            let _ = link::send(
+                self.socket,
+                &Frame::Started {
+                    ticket: self.ticket,
+                    pid: pid.as_raw(),
+                    pidfd,
+                },
+            );
         }
     }
 }
@@ -236,7 +283,13 @@ impl CallOutput for LinkOutput<'_> {
 impl LinkOutput<'_> {
     fn send_line(&mut self, line: &[u8]) {
         let line = line.strip_suffix(b"\n").unwrap_or(line).to_vec();
-        let _ = link::send(self.socket, &Frame::Line { ticket: self.ticket, line });
+        let _ = link::send(
+            self.socket,
+            &Frame::Line {
+                ticket: self.ticket,
+                line,
+            },
+        );
     }
 }
 

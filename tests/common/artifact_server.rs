@@ -260,3 +260,10 @@ pub fn sha256_file(path: &Path) -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
+
+pub fn sha256_bytes(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}

@@ -50,7 +50,9 @@ impl Connection {
         let deadline = std::time::Instant::now() + limit;
         let mut seen = Vec::new();
         while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
-            let Some(message) = self.recv(left) else { break };
+            let Some(message) = self.recv(left) else {
+                break;
+            };
             let finished = done(&message);
             seen.push(message);
             if finished {
@@ -62,9 +64,17 @@ impl Connection {
 
     /// The reply (the first message that is not an event) to `call_id`.
     pub fn reply(&self, call_id: &str, limit: Duration) -> (Vec<Value>, Value) {
-        let mut seen = self.until(limit, |m| m["call_id"] == call_id && m.get("event").is_none());
+        let mut seen = self.until(limit, |m| {
+            m["call_id"] == call_id && m.get("event").is_none()
+        });
         let reply = seen.pop().expect("a reply");
         (seen, reply)
+    }
+
+    /// Sends `request` and waits for its reply.
+    pub fn reply_to(&self, request: &Value, limit: Duration) -> (Vec<Value>, Value) {
+        self.send(request);
+        self.reply(request["call_id"].as_str().unwrap_or(""), limit)
     }
 
     /// A clean WebSocket close.
@@ -99,13 +109,18 @@ impl Engine {
         let answer = Arc::new(Mutex::new(answer));
         let (counted, answering) = (Arc::clone(&attempts), Arc::clone(&answer));
         std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 ready.send(listener.local_addr().unwrap().port()).unwrap();
                 let acceptor = tls.map(|(chain, key)| tls_acceptor(&chain, &key));
                 loop {
-                    let Ok((stream, _)) = listener.accept().await else { return };
+                    let Ok((stream, _)) = listener.accept().await else {
+                        return;
+                    };
                     *counted.lock().unwrap() += 1;
                     let answer = answering.lock().unwrap().clone();
                     let connections_in = connections_in.clone();
@@ -139,7 +154,9 @@ impl Engine {
 
     /// The next worker that attached (its hello read, the answer sent).
     pub fn next_connection(&self, limit: Duration) -> Connection {
-        self.connections.recv_timeout(limit).expect("a worker attached")
+        self.connections
+            .recv_timeout(limit)
+            .expect("a worker attached")
     }
 
     pub fn try_next_connection(&self, limit: Duration) -> Option<Connection> {
@@ -161,26 +178,33 @@ where
         Answer::Status(status) => Some(status),
         _ => None,
     };
-    let callback = move |request: &Request, response: Response| -> Result<Response, ErrorResponse> {
-        let mut seen = recording.lock().unwrap();
-        for (name, value) in request.headers() {
-            seen.0.insert(name.as_str().to_ascii_lowercase(), value.to_str().unwrap_or("").to_string());
-        }
-        seen.1 = request.uri().to_string();
-        if let Some(status) = refusal {
-            let mut refused = ErrorResponse::new(Some("this token is not known here".into()));
-            *refused.status_mut() = tokio_tungstenite::tungstenite::http::StatusCode::from_u16(status).unwrap();
-            return Err(refused);
-        }
-        Ok(response)
-    };
+    let callback =
+        move |request: &Request, response: Response| -> Result<Response, ErrorResponse> {
+            let mut seen = recording.lock().unwrap();
+            for (name, value) in request.headers() {
+                seen.0.insert(
+                    name.as_str().to_ascii_lowercase(),
+                    value.to_str().unwrap_or("").to_string(),
+                );
+            }
+            seen.1 = request.uri().to_string();
+            if let Some(status) = refusal {
+                let mut refused = ErrorResponse::new(Some("this token is not known here".into()));
+                *refused.status_mut() =
+                    tokio_tungstenite::tungstenite::http::StatusCode::from_u16(status).unwrap();
+                return Err(refused);
+            }
+            Ok(response)
+        };
     let Ok(socket) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
         return;
     };
     let (mut sink, mut stream) = socket.split();
     let hello = loop {
         match stream.next().await {
-            Some(Ok(Message::Text(text))) => break serde_json::from_str::<Value>(text.as_str()).unwrap_or(Value::Null),
+            Some(Ok(Message::Text(text))) => {
+                break serde_json::from_str::<Value>(text.as_str()).unwrap_or(Value::Null);
+            }
             Some(Ok(_)) => continue,
             _ => return,
         }
@@ -226,13 +250,17 @@ where
 fn tls_acceptor(chain: &[u8], key: &[u8]) -> tokio_rustls::TlsAcceptor {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain).collect::<Result<_, _>>().unwrap();
-    let key = PrivateKeyDer::from_pem_slice(key).unwrap();
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain)
+        .collect::<Result<_, _>>()
         .unwrap();
+    let key = PrivateKeyDer::from_pem_slice(key).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
     tokio_rustls::TlsAcceptor::from(Arc::new(config))
 }
