@@ -57,12 +57,12 @@ pub async fn serve(
     mut request: BTreeMap<String, Box<RawValue>>,
 ) {
     let started = Instant::now();
-    let call_id = text_of(request.get("call_id"));
+    let call_id = text_of(request.get("call_id").map(|r| &**r));
     let id = request
         .get("id")
         .map(|raw| raw.to_owned())
         .unwrap_or_else(|| raw("null"));
-    let op = text_of(request.get("op"));
+    let op = text_of(request.get("op").map(|r| &**r));
     let env = take_env(&mut request, agent.cuda_mask.as_deref());
     if !env.is_empty() {
         request.insert(
@@ -270,7 +270,7 @@ fn take_env(
 }
 
 /// A JSON value as `str()` of it would read: a string's text, else its JSON.
-pub fn text_of(raw: Option<&Box<RawValue>>) -> String {
+pub fn text_of(raw: Option<&RawValue>) -> String {
     match raw.map(|r| serde_json::from_str::<serde_json::Value>(r.get())) {
         Some(Ok(serde_json::Value::String(s))) => s,
         Some(Ok(serde_json::Value::Null)) | None => String::new(),

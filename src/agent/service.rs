@@ -33,7 +33,7 @@ pub async fn serve(
     stop: oneshot::Receiver<()>,
 ) {
     let started = Instant::now();
-    let call_id = text_of(request.get("call_id"));
+    let call_id = text_of(request.get("call_id").map(|r| &**r));
     tracing::info!(call = %call_id, "serve started");
     let heartbeat = session.heartbeat(&call_id);
     let reason = run(&agent, &request, stop).await;
@@ -84,7 +84,7 @@ async fn run(
             env.insert(key, value);
         }
     }
-    let weights = text_of(request.get("weights"));
+    let weights = text_of(request.get("weights").map(|r| &**r));
     let argv = if weights.is_empty() {
         argv
     } else {

@@ -286,14 +286,14 @@ fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>,
         tracing::warn!("ignored a message that is not a JSON object");
         return;
     };
-    match text_of(message.get("op")).as_str() {
+    match text_of(message.get("op").map(|r| &**r)).as_str() {
         "run" | "compile" => {
             agent.call_started();
             calls.spawn(call::serve(Arc::clone(agent), Arc::clone(session), message));
         }
         "serve" => {
             let (stop, stopped) = oneshot::channel();
-            let call_id = text_of(message.get("call_id"));
+            let call_id = text_of(message.get("call_id").map(|r| &**r));
             session
                 .services
                 .lock()
@@ -307,7 +307,7 @@ fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>,
                 stopped,
             ));
         }
-        "cancel" => session.cancel(&text_of(message.get("call_id"))),
+        "cancel" => session.cancel(&text_of(message.get("call_id").map(|r| &**r))),
         _ => {}
     }
 }

@@ -305,8 +305,11 @@ impl Zygote {
         }
         let flight = self.start(py, &assignment(Task::Run), trial_logs, out)?;
         if detach {
+            // The caller hands the pipe over first, then replenishes.
             return Ok(Some(flight));
         }
+        // While the call runs, on the other core.
+        self.replenish(py);
         self.run(&assignment(Task::Run), flight, out).map(|()| None)
     }
 
@@ -339,6 +342,11 @@ impl Zygote {
         out: &mut dyn CallOutput,
     ) -> Result<Landed, Stop> {
         let mut flight = self.start(py, assignment, logs_so_far, out)?;
+        if assignment.task != Task::Trial {
+            // A trial changes the zygote's state: a standby forked now would
+            // be discarded.
+            self.replenish(py);
+        }
         match flight.follow_to_reply(out) {
             Ok(_) => self.finish(assignment, flight, out),
             Err(error) => Err(self.lost(assignment, error, out)),

@@ -196,6 +196,8 @@ impl Server<'_> {
                     self.send(Frame::Pipe { ticket, pipe });
                 }
                 self.runs.push((ticket, flight));
+                // Now that the agent reads the call, fork the next standby.
+                zygote.replenish(py);
             }
             Ok(None) => self.send(Frame::Done { ticket }),
             Err(must) => {

@@ -156,9 +156,9 @@ impl Children {
 }
 
 impl Zygote {
-    /// Starts `assignment` in a child, the standby when it is current, and
-    /// forks the next standby while the call runs (unless the call is a
-    /// trial, after which the zygote's state changes anyway).
+    /// Starts `assignment` in a child, the standby when it is current. The
+    /// caller forks the next standby ([`Zygote::replenish`]) once whoever
+    /// reads the call can, so that fork overlaps the call.
     pub(super) fn dispatch(
         &mut self,
         py: Python<'_>,
@@ -192,16 +192,12 @@ impl Zygote {
         // A child that died before reading this is reported by its flight.
         let _ = child::send_assignment(&control, assignment);
         drop(control);
-        let flight = Flight::new(pid, lines, logs, Instant::now());
-        if assignment.task != Task::Trial {
-            self.replenish(py);
-        }
-        Ok(flight)
+        Ok(Flight::new(pid, lines, logs, Instant::now()))
     }
 
     /// Forks standby children up to [`STANDBY`]: one per call once full, so
     /// each has a whole call's time to set itself up before it is needed.
-    fn replenish(&mut self, py: Python<'_>) {
+    pub fn replenish(&mut self, py: Python<'_>) {
         while self.children.standby.len() < STANDBY {
             match self.fork_standby(py) {
                 Ok(next) => self.children.standby.push_back(next),

@@ -168,6 +168,8 @@ impl Engine {
     }
 }
 
+// tungstenite's handshake callback returns its error as a whole response.
+#[allow(clippy::result_large_err)]
 async fn attach<S>(stream: S, answer: Answer, connections: std_mpsc::Sender<Connection>)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
