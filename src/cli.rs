@@ -56,7 +56,8 @@ struct AgentArgs {
         long,
         env = "FLUKSIO_WORKER_TOKEN",
         hide_env_values = true,
-        default_value = ""
+        default_value = "",
+        hide_default_value = true
     )]
     token: String,
 
@@ -65,7 +66,7 @@ struct AgentArgs {
     name: Option<String>,
 
     /// Comma-separated, e.g. gpu,cuda12: what a node's worker matches
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", hide_default_value = true)]
     labels: String,
 
     /// Calls the engine may send at once
@@ -73,12 +74,12 @@ struct AgentArgs {
     parallel: u32,
 
     /// The artifact store [default: beside --url: ws→http, /workers/attach → /artifacts]
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", hide_default_value = true)]
     artifact_url: String,
 
     /// The address the engine reaches this machine's services on
     /// [default: the address the engine sees this worker connect from]
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", hide_default_value = true)]
     service_host: String,
 
     /// Allow ws:// and http:// to an engine off this machine: the token and every secret a
@@ -100,7 +101,7 @@ struct AgentArgs {
 
     /// Stop after this many seconds with nothing running, for a worker a batch job started
     /// [default: never]
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, hide_default_value = true)]
     max_idle: f64,
 
     /// A PEM file of CA certificates to trust besides the system's, for a private engine
