@@ -178,7 +178,19 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
                 },
                 _ = pings.tick() => Message::Ping(Vec::new().into()),
             };
-            if sink.send(message).await.is_err() {
+            // Everything already waiting goes in one flush: a node yielding
+            // a hundred thousand events must not cost a write each.
+            if sink.feed(message).await.is_err() {
+                break;
+            }
+            let mut fed = true;
+            while let Ok(message) = outgoing.try_recv() {
+                if sink.feed(message).await.is_err() {
+                    fed = false;
+                    break;
+                }
+            }
+            if !fed || sink.flush().await.is_err() {
                 break;
             }
         }
