@@ -5,17 +5,19 @@
 //!     cargo bench --bench agent
 //!     cargo bench --bench agent -- --calls 300 --fresh-calls 10 --events 100000
 
+mod support;
+
+use support::{ZYGOTE, python};
+
 #[path = "../tests/common/engine.rs"]
 mod engine;
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use engine::{Answer, Connection, Engine};
 use serde_json::json;
 
-const ZYGOTE: &str = env!("CARGO_BIN_EXE_fluksio-zygote");
 const AGENT_PY: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../shared/reference/fluksio_worker/agent.py"
@@ -163,21 +165,4 @@ fn event_rate(start: &Start, source: &str, events: usize) -> f64 {
     let _ = child.kill();
     let _ = child.wait();
     (events - 1) as f64 / elapsed
-}
-
-fn python() -> PathBuf {
-    let output = Command::new(ZYGOTE)
-        .arg("worker")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            let request = r#"{"id":0,"op":"run","flow":"b","node":"p","source":"import sys\ndef process():\n    return sys.executable\n"}"#;
-            writeln!(child.stdin.take().unwrap(), "{request}")?;
-            child.wait_with_output()
-        })
-        .unwrap();
-    let reply: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    PathBuf::from(reply["result"].as_str().unwrap())
 }

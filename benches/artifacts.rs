@@ -6,6 +6,10 @@
 //!     cargo bench --bench artifacts              # 1 GiB, best of 3
 //!     cargo bench --bench artifacts -- --mib 256 --runs 5
 
+mod support;
+
+use support::{ZYGOTE, python};
+
 #[path = "../tests/common/artifact_server.rs"]
 mod artifact_server;
 
@@ -20,7 +24,6 @@ const REFERENCE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../shared/reference/fluksio_worker/worker_main.py"
 );
-const ZYGOTE: &str = env!("CARGO_BIN_EXE_fluksio-zygote");
 
 /// What each run times, inside the node, around the one call.
 const NODE: &str = "import fluksio, os, time
@@ -209,20 +212,4 @@ fn write_file(path: &Path, mib: usize) {
         }
         out.write_all(&block).unwrap();
     }
-}
-
-fn python() -> PathBuf {
-    let output = Command::new(ZYGOTE)
-        .arg("worker")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            let request = r#"{"id":0,"op":"run","flow":"b","node":"p","source":"import sys\ndef process():\n    return sys.executable\n"}"#;
-            writeln!(child.stdin.take().unwrap(), "{request}")?;
-            child.wait_with_output()
-        })
-        .unwrap();
-    let reply: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    PathBuf::from(reply["result"].as_str().unwrap())
 }

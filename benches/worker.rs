@@ -17,6 +17,10 @@
 //!     cargo bench --bench worker                # every row
 //!     cargo bench --bench worker -- --calls 500 # fewer calls per row
 
+mod support;
+
+use support::{ZYGOTE, python};
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -26,7 +30,6 @@ const REFERENCE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../shared/reference/fluksio_worker/worker_main.py"
 );
-const ZYGOTE: &str = env!("CARGO_BIN_EXE_fluksio-zygote");
 
 struct Scenario {
     name: &'static str,
@@ -129,23 +132,6 @@ fn python_fork(python: &PathBuf, preload: &str, calls: usize) -> Stats {
 fn flag(args: &[String], name: &str) -> Option<usize> {
     let at = args.iter().position(|a| a == name)?;
     args.get(at + 1)?.parse().ok()
-}
-
-/// The interpreter the zygote embeds, which the reference runs on too.
-fn python() -> PathBuf {
-    let output = Command::new(ZYGOTE)
-        .args(["worker"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            let request = r#"{"id":0,"op":"run","flow":"b","node":"p","source":"import sys\ndef process():\n    return sys.executable\n"}"#;
-            writeln!(child.stdin.take().expect("stdin"), "{request}")?;
-            child.wait_with_output()
-        })
-        .expect("the zygote answers");
-    let reply: serde_json::Value = serde_json::from_slice(&output.stdout).expect("a JSON reply");
-    PathBuf::from(reply["result"].as_str().expect("a path"))
 }
 
 fn ms(d: Duration) -> f64 {

@@ -46,31 +46,24 @@ pub fn run(options: &WorkerOptions) -> ExitCode {
     };
     plumbing::claim(request_fd);
     plumbing::claim(reply_fd);
-    if let Err(error) = zygote::boot(&options.zygote) {
-        eprintln!("fluksio-zygote: {error}");
-        return ExitCode::from(2);
-    }
-    Python::attach(|py| {
-        let mut zygote = match Zygote::new(py, &options.zygote) {
-            Ok(zygote) => zygote,
-            Err(error) => {
-                eprintln!("fluksio-zygote: {error}");
-                return ExitCode::from(2);
+    zygote::run(
+        &options.zygote,
+        zygote::print_startup_error,
+        |py, zygote| {
+            let mut requests = RequestReader::new(request_fd, options.max_request_bytes);
+            let mut pending = None;
+            if let Some(resume) = resume {
+                zygote.restore_nodes(py, resume.nodes);
+                requests.push_front(resume.unread);
+                pending = resume.pending.map(String::into_bytes);
             }
-        };
-        let mut requests = RequestReader::new(request_fd, options.max_request_bytes);
-        let mut pending = None;
-        if let Some(resume) = resume {
-            zygote.restore_nodes(py, resume.nodes);
-            requests.push_front(resume.unread);
-            pending = resume.pending.map(String::into_bytes);
-        }
-        let mut replies = Replies {
-            fd: reply_fd,
-            broken: false,
-        };
-        serve(py, &mut zygote, &mut requests, &mut replies, pending)
-    })
+            let mut replies = Replies {
+                fd: reply_fd,
+                broken: false,
+            };
+            serve(py, zygote, &mut requests, &mut replies, pending)
+        },
+    )
 }
 
 fn serve(

@@ -116,6 +116,18 @@ impl Agent {
             .clone()
     }
 
+    /// Exit 1, with the reason logged, if a zygote could not start: that
+    /// stops the agent however the session ended.
+    fn fatal_exit(&self) -> Option<ExitCode> {
+        let why = self
+            .fatal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()?;
+        tracing::error!("{why}");
+        Some(ExitCode::FAILURE)
+    }
+
     fn call_started(&self) {
         self.active.fetch_add(1, Ordering::SeqCst);
     }
@@ -247,14 +259,8 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
     let mut backoff = Duration::from_secs(1);
     loop {
         let end = session::run(&agent, stopping.clone()).await;
-        if let Some(why) = agent
-            .fatal
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-        {
-            tracing::error!("{why}");
-            return ExitCode::FAILURE;
+        if let Some(code) = agent.fatal_exit() {
+            return code;
         }
         match end {
             SessionEnd::Closed => {
@@ -281,16 +287,7 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
             SessionEnd::Stopped => return ExitCode::SUCCESS,
         }
         if *stopping.borrow() {
-            if let Some(why) = agent
-                .fatal
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone()
-            {
-                tracing::error!("{why}");
-                return ExitCode::FAILURE;
-            }
-            return ExitCode::SUCCESS;
+            return agent.fatal_exit().unwrap_or(ExitCode::SUCCESS);
         }
     }
 }

@@ -46,40 +46,33 @@ pub fn run(options: &SweepOptions) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Err(error) = zygote::boot(&options.zygote) {
-        eprintln!("fluksio-zygote: {error}");
-        return ExitCode::from(2);
-    }
-    Python::attach(|py| {
-        let mut zygote = match Zygote::new(py, &options.zygote) {
-            Ok(zygote) => zygote,
-            Err(error) => {
-                eprintln!("fluksio-zygote: {error}");
+    zygote::run(
+        &options.zygote,
+        zygote::print_startup_error,
+        |py, zygote| {
+            if let Err(message) = compile(py, zygote, &prepared) {
+                eprintln!("fluksio-zygote sweep: {message}");
                 return ExitCode::from(2);
             }
-        };
-        if let Err(message) = compile(py, &mut zygote, &prepared) {
-            eprintln!("fluksio-zygote sweep: {message}");
-            return ExitCode::from(2);
-        }
-        let jobs = options
-            .jobs
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-            .max(1);
-        let summary = match sweep(py, &mut zygote, &prepared, jobs) {
-            Ok(summary) => summary,
-            Err(message) => {
-                eprintln!("fluksio-zygote sweep: {message}");
-                return ExitCode::FAILURE;
+            let jobs = options
+                .jobs
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+                .max(1);
+            let summary = match sweep(py, zygote, &prepared, jobs) {
+                Ok(summary) => summary,
+                Err(message) => {
+                    eprintln!("fluksio-zygote sweep: {message}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            eprintln!("{summary}");
+            if summary.failed > 0 {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
             }
-        };
-        eprintln!("{summary}");
-        if summary.failed > 0 {
-            ExitCode::FAILURE
-        } else {
-            ExitCode::SUCCESS
-        }
-    })
+        },
+    )
 }
 
 /// The node and its points, read and checked before anything starts.

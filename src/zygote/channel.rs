@@ -60,7 +60,10 @@ pub fn dumps<'py>(value: &Bound<'py, PyAny>, allow_nan: bool) -> PyResult<Bound<
     let encoder = |allow_nan: bool| -> PyResult<Py<PyAny>> {
         let options = PyDict::new(py);
         options.set_item("allow_nan", allow_nan)?;
-        let encoder = py.import("json")?.getattr("JSONEncoder")?.call((), Some(&options))?;
+        let encoder = py
+            .import("json")?
+            .getattr("JSONEncoder")?
+            .call((), Some(&options))?;
         Ok(encoder.getattr("encode")?.unbind())
     };
     let encode = if allow_nan {

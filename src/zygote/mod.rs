@@ -108,6 +108,32 @@ pub fn boot(options: &ZygoteOptions) -> Result<(), StartupError> {
     Ok(())
 }
 
+/// Starts a zygote and serves with it: boots the interpreter, sets the
+/// zygote up, runs `serve`. A zygote that cannot start goes to `failed`,
+/// and the exit code is 2; what `serve` returns is the exit code otherwise.
+pub fn run(
+    options: &ZygoteOptions,
+    failed: impl FnOnce(&StartupError),
+    serve: impl FnOnce(Python<'_>, &mut Zygote) -> std::process::ExitCode,
+) -> std::process::ExitCode {
+    if let Err(error) = boot(options) {
+        failed(&error);
+        return std::process::ExitCode::from(2);
+    }
+    Python::attach(|py| match Zygote::new(py, options) {
+        Ok(mut zygote) => serve(py, &mut zygote),
+        Err(error) => {
+            failed(&error);
+            std::process::ExitCode::from(2)
+        }
+    })
+}
+
+/// For `failed` in [`run`]: the error on stderr, as the command line says it.
+pub fn print_startup_error(error: &StartupError) {
+    eprintln!("fluksio-zygote: {error}");
+}
+
 /// Where a compiled node lives.
 enum Residence {
     /// Loaded in the zygote: every fork has it.
