@@ -108,14 +108,24 @@ async fn run(
         }
     };
 
+    // One pipe for stdout and stderr, as agent.py has it: the last line is
+    // the last one written, whichever stream it went to.
+    let (output, output_write) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
+        Ok(pipe) => pipe,
+        Err(error) => return format!("OSError: could not make a pipe: {error}"),
+    };
+    let stderr_write = match output_write.try_clone() {
+        Ok(fd) => fd,
+        Err(error) => return format!("OSError: could not make a pipe: {error}"),
+    };
     let mut command = std::process::Command::new(&argv[0]);
     command
         .args(&argv[1..])
         .env_clear()
         .envs(&env)
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
+        .stdout(std::process::Stdio::from(output_write))
+        .stderr(std::process::Stdio::from(stderr_write));
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         let agent_pid = libc::getpid();
@@ -128,29 +138,26 @@ async fn run(
             Ok(())
         });
     }
-    let mut child = match tokio::process::Command::from(command).spawn() {
+    let spawned = tokio::process::Command::from(command).spawn();
+    let mut child = match spawned {
         Ok(child) => child,
         Err(error) => return format!("{}: {error}", io_kind_name(&error)),
     };
     let pid = child.id().unwrap_or(0) as i32;
-    let (mut stdout, mut stderr) = (
-        child.stdout.take().expect("piped"),
-        child.stderr.take().expect("piped"),
-    );
+    let Ok(mut output) = tokio::net::unix::pipe::Receiver::from_owned_fd(output) else {
+        stop_group(pid, &mut child).await;
+        return "OSError: could not read the service's output".into();
+    };
     let mut tail: Vec<u8> = Vec::new();
-    let mut open = (true, true);
-    let (mut out_buffer, mut err_buffer) = (vec![0u8; 65536], vec![0u8; 65536]);
+    let mut open = true;
+    let mut buffer = vec![0u8; 65536];
     let status = loop {
         tokio::select! {
-            read = stdout.read(&mut out_buffer), if open.0 => match read {
-                Ok(0) | Err(_) => open.0 = false,
-                Ok(n) => keep(&mut tail, &out_buffer[..n]),
+            read = output.read(&mut buffer), if open => match read {
+                Ok(0) | Err(_) => open = false,
+                Ok(n) => keep(&mut tail, &buffer[..n]),
             },
-            read = stderr.read(&mut err_buffer), if open.1 => match read {
-                Ok(0) | Err(_) => open.1 = false,
-                Ok(n) => keep(&mut tail, &err_buffer[..n]),
-            },
-            status = child.wait(), if !open.0 && !open.1 => break status.ok(),
+            status = child.wait(), if !open => break status.ok(),
             _ = &mut stop => {
                 stop_group(pid, &mut child).await;
                 return "the service was stopped".into();
