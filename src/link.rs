@@ -17,6 +17,9 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 
 use crate::process::ChildEnd;
 
+/// The most a frame may carry: its length is a u32.
+pub const MAX_PAYLOAD: usize = u32::MAX as usize - 16;
+
 /// What travels on the link.
 #[derive(Debug)]
 pub enum Frame {
@@ -161,6 +164,12 @@ impl Frame {
 /// Sends one frame, whole, with its fd. Blocks until the socket took it.
 pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
     let (bytes, fd) = frame.encode();
+    if bytes.len() > MAX_PAYLOAD {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a frame over 4 GiB",
+        ));
+    }
     let mut sent = 0;
     while sent < bytes.len() {
         let fds = [fd.unwrap_or(-1)];

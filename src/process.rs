@@ -188,6 +188,11 @@ impl ExitWatch {
         ExitWatch { fd: None }
     }
 
+    /// The pidfd itself, for a caller that waits on it its own way.
+    pub fn into_fd(self) -> Option<OwnedFd> {
+        self.fd
+    }
+
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         self.fd.as_ref().map(|fd| fd.as_fd())
     }

@@ -197,6 +197,12 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtocolError> {
 fn parse_env(raw: &RawValue) -> Result<Vec<(String, String)>, String> {
     let map: BTreeMap<String, serde_json::Value> = serde_json::from_str(raw.get())
         .map_err(|_| format!("\"env\" must be an object, not {}", json_kind(raw.get())))?;
+    if let Some(bad) = map
+        .keys()
+        .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+    {
+        return Err(format!("{bad:?} is not an environment variable name"));
+    }
     Ok(map
         .into_iter()
         .map(|(key, value)| {
@@ -273,6 +279,28 @@ pub const ENDED_WITHOUT_REPLY: &str = "RemoteError";
 pub fn ended_without_reply(id: &RawValue, call_id: &str, end: ChildEnd, logs: &str) -> Vec<u8> {
     let message = format!("the node process {end} before it replied");
     failure_reply(id, call_id, ENDED_WITHOUT_REPLY, &message, logs)
+}
+
+/// A reply that says a call's process ended without one, rewritten for a
+/// call that was cancelled: `NodeCancelled`, as the engine expects.
+/// `None` for any other reply (the node answered before the kill landed).
+pub fn as_cancelled(line: &[u8]) -> Option<Vec<u8>> {
+    let mut reply: serde_json::Value = serde_json::from_slice(line).ok()?;
+    let error = reply.get_mut("error")?.as_object_mut()?;
+    let message = error.get("message")?.as_str()?;
+    if error.get("type")?.as_str()? != ENDED_WITHOUT_REPLY
+        || !message.starts_with("the node process ")
+    {
+        return None;
+    }
+    let how = message
+        .trim_start_matches("the node process ")
+        .trim_end_matches(" before it replied");
+    let message = format!("the node process was cancelled ({how})");
+    error.insert("type".into(), "NodeCancelled".into());
+    error.insert("short".into(), format!("NodeCancelled: {message}").into());
+    error.insert("message".into(), message.into());
+    serde_json::to_vec(&reply).ok()
 }
 
 #[derive(Serialize)]

@@ -104,6 +104,9 @@ fn serve(
             }
         };
         if let Err(must) = zygote.serve(py, &request, replies) {
+            // The new image starts its own children: the old ones must not
+            // linger (a standby waits on an eventfd, which never closes).
+            zygote.shutdown();
             let resume = recovery::Resume {
                 nodes: zygote.resume_nodes(),
                 pending: (!must.answered).then(|| String::from_utf8_lossy(&line).into_owned()),

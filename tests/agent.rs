@@ -556,7 +556,7 @@ fn node_code_sees_neither_credentials_nor_the_token() {
     let connection = engine.next_connection(WAIT);
     connection.send(&run(
         "env",
-        "import os\ndef process(t):\n    raw = open('/proc/self/environ', 'rb').read() + open('/proc/%d/environ' % os.getppid(), 'rb').read()\n    return [sorted(k for k in os.environ if k in ('SECRET_KEY', 'MY_API_TOKEN', 'DATABASE_URL_RO', 'db_password', 'FLUKSIO_WORKER_TOKEN', 'FLUKSIO_ARTIFACT_TOKEN')), os.environ.get('KEEP_ME'), os.environ.get('FLUKSIO_ARTIFACT_URL'), raw.count(t.encode())]\n",
+        "import os\ndef process(t):\n    zygote = os.getppid()\n    agent = int(open('/proc/%d/stat' % zygote).read().rsplit(')', 1)[1].split()[1])\n    raw = b''.join(open('/proc/%s/%s' % (p, f), 'rb').read() for p in ('self', zygote, agent) for f in ('environ', 'cmdline'))\n    return [sorted(k for k in os.environ if k in ('SECRET_KEY', 'MY_API_TOKEN', 'DATABASE_URL_RO', 'db_password', 'FLUKSIO_WORKER_TOKEN', 'FLUKSIO_ARTIFACT_TOKEN')), os.environ.get('KEEP_ME'), os.environ.get('FLUKSIO_ARTIFACT_URL'), raw.count(t.encode())]\n",
         json!({"t": TOKEN}),
     ));
     let (_, reply) = connection.reply("env", WAIT);
@@ -845,4 +845,125 @@ fn hello_and_replies_match_the_reference_agent() {
         }
         assert_eq!(&ours, theirs, "request {index}");
     }
+}
+
+#[test]
+fn a_compile_stuck_loading_is_cancelled_and_the_agent_serves_on() {
+    let engine = Engine::start(Answer::Welcome);
+    let mut agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&compile(
+        "stuck",
+        "import time\ntime.sleep(3600)\ndef process():\n    return 1\n",
+    ));
+    // Let the trial start, then cancel it.
+    std::thread::sleep(Duration::from_millis(800));
+    connection.send(&json!({"op": "cancel", "call_id": "stuck"}));
+    let (_, reply) = connection.reply("stuck", WAIT);
+    assert_eq!(reply["error"]["type"], "NodeCancelled", "{reply}");
+    connection.send(&run(
+        "after",
+        "def process():\n    return 'served'\n",
+        json!({}),
+    ));
+    assert_eq!(connection.reply("after", WAIT).1["result"], "served");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert_eq!(agent.wait(WAIT), Some(0));
+}
+
+#[test]
+fn a_cancel_right_behind_its_run_is_not_lost() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run(
+        "quick",
+        "import time\ndef process():\n    time.sleep(3600)\n",
+        json!({}),
+    ));
+    connection.send(&json!({"op": "cancel", "call_id": "quick"}));
+    let (_, reply) = connection.reply("quick", WAIT);
+    assert_eq!(reply["error"]["type"], "NodeCancelled", "{reply}");
+}
+
+#[test]
+fn calls_sharing_a_call_id_are_each_tracked() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    connection.send(&run("twin", SLEEPER, json!({})));
+    connection.send(&run("twin", SLEEPER, json!({})));
+    let mut pids_seen = Vec::new();
+    while pids_seen.len() < 2 {
+        let message = connection.recv(WAIT).expect("an emit");
+        if message["event"] == "emit" {
+            pids_seen.push(pids(&message));
+        }
+    }
+    connection.send(&json!({"op": "cancel", "call_id": "twin"}));
+    let replies = connection.until(WAIT, {
+        let count = std::sync::atomic::AtomicUsize::new(0);
+        move |m| {
+            m.get("event").is_none() && count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1
+        }
+    });
+    let replies: Vec<_> = replies
+        .into_iter()
+        .filter(|m| m.get("event").is_none())
+        .collect();
+    assert!(
+        replies
+            .iter()
+            .all(|r| r["error"]["type"] == "NodeCancelled"),
+        "{replies:?}"
+    );
+    for pids in pids_seen {
+        all_gone(&pids[..2]);
+    }
+}
+
+#[test]
+fn a_call_ends_at_its_reply_even_if_a_detached_grandchild_holds_its_pipe() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    let source = "import os, time\ndef process():\n    pid = os.fork()\n    if pid == 0:\n        os.setsid()\n        time.sleep(30)\n        os._exit(0)\n    return pid\n";
+    let (_, reply) = connection.reply_to(&run("fork", source, json!({})), WAIT);
+    let escaped = reply["result"].as_i64().expect("the grandchild's pid") as i32;
+    assert!(
+        connection.recv(Duration::from_secs(1)).is_none(),
+        "the call ended at its reply: no more heartbeats"
+    );
+    // It left its session on purpose; nothing can end it but a kill.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(escaped),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    connection.send(&run(
+        "next",
+        "def process():\n    return 'next'\n",
+        json!({}),
+    ));
+    assert_eq!(connection.reply("next", WAIT).1["result"], "next");
+}
+
+#[test]
+fn an_environment_name_that_cannot_be_one_is_refused() {
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    let mut request = run("badenv", "def process():\n    return 1\n", json!({}));
+    request["env"] = json!({"": "x", "CUDA_VISIBLE_DEVICES": "0"});
+    let (_, reply) = connection.reply_to(&request, WAIT);
+    assert_eq!(reply["error"]["type"], "ProtocolError", "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not an environment variable name")
+    );
 }

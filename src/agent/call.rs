@@ -50,10 +50,12 @@ impl Running {
     }
 }
 
-/// Serves one run or compile to its end.
+/// Serves one run or compile to its end. `key` names it in the session's
+/// table of running calls (registered before this task first ran).
 pub async fn serve(
     agent: Arc<Agent>,
     session: Arc<Session>,
+    key: u64,
     mut request: BTreeMap<String, Box<RawValue>>,
 ) {
     let started = Instant::now();
@@ -72,145 +74,225 @@ pub async fn serve(
     }
     let line = serde_json::to_vec(&request).expect("raw JSON values serialise");
     tracing::info!(call = %call_id, "{op} started");
-    session
-        .running
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(call_id.clone(), Running::default());
     let heartbeat = session.heartbeat(&call_id);
-    let outcome = follow(&agent, &session, &call_id, &id, line).await;
+    let call = Call {
+        session: &session,
+        key,
+        call_id: &call_id,
+        id: &id,
+    };
+    let outcome = if line.len() > crate::link::MAX_PAYLOAD {
+        let message = format!(
+            "the request is {} MiB, too big to pass to the zygote: pass large data as an artifact and send its reference",
+            line.len() >> 20
+        );
+        call.fail("ProtocolError", &message).await;
+        message
+    } else {
+        follow(&agent, &call, line).await
+    };
     heartbeat.abort();
     session
         .running
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .remove(&call_id);
+        .remove(&key);
     agent.call_ended();
     tracing::info!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "{op} ended: {outcome}");
 }
 
+/// One call, as its lines are sent for it.
+struct Call<'a> {
+    session: &'a Session,
+    key: u64,
+    call_id: &'a str,
+    id: &'a RawValue,
+}
+
+impl Call<'_> {
+    /// A reply this agent writes for the call: an error no node code raised.
+    async fn fail(&self, kind: &str, message: &str) {
+        self.session
+            .send_raw(&protocol::failure_reply(
+                self.id,
+                self.call_id,
+                kind,
+                message,
+                "",
+            ))
+            .await;
+    }
+
+    /// The child now running for the call; killed at once if cancelled.
+    fn started(&self, pidfd: OwnedFd) {
+        let mut running = self
+            .session
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some((_, running)) = running.get_mut(&self.key) {
+            running.pidfd = Some(pidfd);
+            if running.cancelled {
+                running.kill();
+            }
+        }
+    }
+}
+
+/// What ended a call, as it is followed.
+enum Until {
+    Replied,
+    /// The child's lines ended with no reply; wait for how it ended.
+    Silent,
+    /// The zygote said how the child ended (it wrote no reply).
+    Ended(ChildEnd, String),
+    Gone(String),
+}
+
 /// The call's lines to the engine; what happened, for the log.
-async fn follow(
-    agent: &Agent,
-    session: &Session,
-    call_id: &str,
-    id: &RawValue,
-    line: Vec<u8>,
-) -> String {
+async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> String {
     let zygote = match agent.zygote().await {
         Ok(zygote) => zygote,
         Err(why) => {
-            session
-                .send_raw(&protocol::failure_reply(
-                    id,
-                    call_id,
-                    "RemoteError",
-                    &why,
-                    "",
-                ))
-                .await;
+            call.fail("RemoteError", &why).await;
             return format!("no zygote: {why}");
         }
     };
     let (ticket, mut events) = match zygote.call(line).await {
-        Ok(call) => call,
+        Ok(ticket_and_events) => ticket_and_events,
         Err(why) => {
-            session
-                .send_raw(&protocol::failure_reply(
-                    id,
-                    call_id,
-                    "RemoteError",
-                    &why,
-                    "",
-                ))
-                .await;
+            call.fail("RemoteError", &why).await;
             return why;
         }
     };
-    let mut replied = false;
-    let outcome = loop {
+    let until = loop {
         let Some(event) = events.recv().await else {
-            break "the zygote dropped the call".to_string();
+            break Until::Gone("the zygote dropped the call".into());
         };
         match event {
-            Event::Frame(Frame::Started { pidfd, .. }) => {
-                let mut running = session.running.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(running) = running.get_mut(call_id) {
-                    running.pidfd = Some(pidfd);
-                    if running.cancelled {
-                        running.kill();
-                    }
-                }
-            }
+            Event::Frame(Frame::Started { pidfd, .. }) => call.started(pidfd),
             Event::Frame(Frame::Line { line, .. }) => {
-                replied |= !protocol::is_event(&line);
-                session.send_raw(&line).await;
+                if protocol::is_event(&line) {
+                    call.session.send_raw(&line).await;
+                    continue;
+                }
+                // The zygote answered for a child it saw die; if that was our
+                // cancel, the engine hears NodeCancelled.
+                let cancelled = call
+                    .session
+                    .cancelled(call.key)
+                    .then(|| protocol::as_cancelled(&line))
+                    .flatten();
+                call.session
+                    .send_raw(cancelled.as_deref().unwrap_or(&line))
+                    .await;
+                break Until::Replied;
             }
             Event::Frame(Frame::Pipe { pipe, .. }) => {
-                replied |= forward_pipe(session, pipe).await;
-            }
-            Event::Frame(Frame::Ended { end, logs, .. }) => {
-                if replied {
-                    break "replied".into();
+                match forward_pipe(call, pipe, &mut events).await {
+                    Until::Silent => {}
+                    other => break other,
                 }
-                let cancelled = session.cancelled(call_id);
-                session
-                    .send_raw(&ended_reply(id, call_id, end, cancelled, &logs))
-                    .await;
-                break format!("the node process {end}");
             }
+            Event::Frame(Frame::Ended { end, logs, .. }) => break Until::Ended(end, logs),
+            // The zygote is done with a request it never answered (a frame it
+            // could not send): the call still gets a reply.
             Event::Frame(Frame::Done { .. }) => {
-                break if replied {
-                    "replied".into()
-                } else {
-                    "no reply".into()
-                };
+                break Until::Gone("the zygote ended the call without a reply".into());
             }
             Event::Frame(other) => tracing::warn!("unexpected from the zygote: {other:?}"),
-            Event::Gone(why) => {
-                if !replied {
-                    let message =
-                        format!("{why} while the call ran; a new zygote serves the next calls");
-                    session
-                        .send_raw(&protocol::failure_reply(
-                            id,
-                            call_id,
-                            "RemoteError",
-                            &message,
-                            "",
-                        ))
-                        .await;
-                }
-                break why;
-            }
+            Event::Gone(why) => break Until::Gone(why),
         }
     };
     zygote.done(ticket);
-    outcome
+    match until {
+        Until::Replied => "replied".into(),
+        Until::Ended(end, logs) => {
+            let cancelled = call.session.cancelled(call.key);
+            call.session
+                .send_raw(&ended_reply(call.id, call.call_id, end, cancelled, &logs))
+                .await;
+            format!("the node process {end}")
+        }
+        Until::Gone(why) => {
+            call.fail(
+                "RemoteError",
+                &format!("{why} while the call ran; a new zygote serves the next calls"),
+            )
+            .await;
+            why
+        }
+        Until::Silent => unreachable!("a silent pipe is followed by more frames"),
+    }
 }
 
-/// Forwards every line of a run's pipe; whether the reply was among them.
-async fn forward_pipe(session: &Session, pipe: OwnedFd) -> bool {
+/// Forwards a run's lines from its pipe as they come, until the reply;
+/// watches the zygote meanwhile, so a child that ended (while something it
+/// forked still holds the pipe) or a zygote that died ends the wait too.
+async fn forward_pipe(
+    call: &Call<'_>,
+    pipe: OwnedFd,
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> Until {
     let Ok(pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(pipe) else {
-        return false;
+        return Until::Silent;
     };
     let mut reader = tokio::io::BufReader::with_capacity(1 << 20, pipe);
-    let mut replied = false;
+    let mut line = Vec::new();
     loop {
-        let mut line = Vec::new();
-        match reader.read_until(b'\n', &mut line).await {
-            Ok(0) | Err(_) => return replied,
-            Ok(_) => {}
+        tokio::select! {
+            read = reader.read_until(b'\n', &mut line) => {
+                match read {
+                    Ok(0) | Err(_) => return Until::Silent,
+                    Ok(_) => {}
+                }
+                if line.pop() != Some(b'\n') {
+                    // Half a line, cut short by the child's death: no line at all.
+                    return Until::Silent;
+                }
+                call.session.send_raw(&line).await;
+                if !protocol::is_event(&line) {
+                    return Until::Replied;
+                }
+                line.clear();
+            }
+            event = events.recv() => match event {
+                Some(Event::Frame(Frame::Ended { end, logs, .. })) => {
+                    // The child is gone; what it wrote is in the pipe now.
+                    return drain(call, &mut reader, &mut line).await.unwrap_or(Until::Ended(end, logs));
+                }
+                Some(Event::Frame(Frame::Started { pidfd, .. })) => call.started(pidfd),
+                Some(Event::Gone(why)) => {
+                    return drain(call, &mut reader, &mut line).await.unwrap_or(Until::Gone(why));
+                }
+                Some(other) => tracing::warn!("unexpected from the zygote: {other:?}"),
+                None => return Until::Gone("the zygote dropped the call".into()),
+            },
         }
-        if line.pop() != Some(b'\n') {
-            // Half a line, cut short by the child's death: no line at all.
-            return replied;
+    }
+}
+
+/// Forwards the whole lines already in a dead child's pipe, without waiting
+/// for more; `Some(Replied)` if the reply was among them.
+async fn drain(
+    call: &Call<'_>,
+    reader: &mut tokio::io::BufReader<tokio::net::unix::pipe::Receiver>,
+    line: &mut Vec<u8>,
+) -> Option<Until> {
+    loop {
+        let read =
+            tokio::time::timeout(std::time::Duration::ZERO, reader.read_until(b'\n', line)).await;
+        match read {
+            Ok(Ok(n)) if n > 0 && line.last() == Some(&b'\n') => {
+                line.pop();
+                call.session.send_raw(line).await;
+                if !protocol::is_event(line) {
+                    return Some(Until::Replied);
+                }
+                line.clear();
+            }
+            _ => return None,
         }
-        if replied {
-            continue;
-        }
-        replied = !protocol::is_event(&line);
-        session.send_raw(&line).await;
     }
 }
 

@@ -36,6 +36,8 @@ use zygote::{Launch, Zygote};
 const HEARTBEAT: Duration = Duration::from_secs(10);
 /// For tests: a shorter heartbeat, in seconds.
 const HEARTBEAT_ENV: &str = "FLUKSIO_AGENT_HEARTBEAT_S";
+/// Where the worker token may come from instead of `--token`.
+const WORKER_TOKEN_ENV: &str = "FLUKSIO_WORKER_TOKEN";
 /// Reconnection backs off to this and no further.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -181,6 +183,11 @@ pub fn run(options: AgentOptions) -> ExitCode {
         eprintln!("fluksio-zygote agent: {why}");
         return ExitCode::from(2);
     }
+    // The token stays in this process's memory only: what node code (the
+    // same user) could read of this process, its environment and its
+    // command line, no longer holds it.
+    crate::artifacts::hide_variable(WORKER_TOKEN_ENV);
+    crate::artifacts::hide_argument("--token");
     let tls = match tls::client_config(options.ca_cert.as_deref()) {
         Ok(tls) => tls,
         Err(why) => {

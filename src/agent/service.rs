@@ -29,6 +29,7 @@ const TAIL_BYTES: usize = 4096;
 pub async fn serve(
     agent: Arc<Agent>,
     session: Arc<Session>,
+    key: u64,
     request: BTreeMap<String, Box<RawValue>>,
     stop: oneshot::Receiver<()>,
 ) {
@@ -42,7 +43,7 @@ pub async fn serve(
         .services
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .remove(&call_id);
+        .remove(&key);
     agent.call_ended();
     tracing::info!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "serve ended: {reason}");
     let reply = serde_json::json!({
@@ -144,31 +145,34 @@ async fn run(
         Err(error) => return format!("{}: {error}", io_kind_name(&error)),
     };
     let pid = child.id().unwrap_or(0) as i32;
+    let mut exit = Exit::watch(pid);
     let Ok(mut output) = tokio::net::unix::pipe::Receiver::from_owned_fd(output) else {
-        stop_group(pid, &mut child).await;
+        stop_group(pid, &mut exit, &mut child).await;
         return "OSError: could not read the service's output".into();
     };
     let mut tail: Vec<u8> = Vec::new();
     let mut open = true;
     let mut buffer = vec![0u8; 65536];
-    let status = loop {
+    loop {
         tokio::select! {
             read = output.read(&mut buffer), if open => match read {
                 Ok(0) | Err(_) => open = false,
                 Ok(n) => keep(&mut tail, &buffer[..n]),
             },
-            status = child.wait(), if !open => break status.ok(),
+            () = exit.exited(), if !open => break,
             _ = &mut stop => {
-                stop_group(pid, &mut child).await;
+                stop_group(pid, &mut exit, &mut child).await;
                 return "the service was stopped".into();
             }
         }
-    };
-    // Whatever it left running in its session goes with it.
-    crate::process::kill_group(
+    }
+    // Whatever it left running in its session goes with it, killed while
+    // the leader is not yet reaped (its pid still names the group).
+    let _ = nix::sys::signal::killpg(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
     );
+    let status = child.wait().await.ok();
     let code = status.and_then(|s| {
         s.code()
             .or_else(|| std::os::unix::process::ExitStatusExt::signal(&s).map(|s| 128 + s))
@@ -195,13 +199,45 @@ fn keep(tail: &mut Vec<u8>, chunk: &[u8]) {
     }
 }
 
-/// SIGTERM to the group, a moment to shut down, then SIGKILL to the rest.
-async fn stop_group(pid: i32, child: &mut tokio::process::Child) {
+/// SIGTERM to the group, a moment to shut down, then SIGKILL to the rest;
+/// reaped only then, so the group is never signalled by a pid reused.
+async fn stop_group(pid: i32, exit: &mut Exit, child: &mut tokio::process::Child) {
     let group = nix::unistd::Pid::from_raw(pid);
     let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTERM);
-    let _ = tokio::time::timeout(STOP_GRACE, child.wait()).await;
+    let _ = tokio::time::timeout(STOP_GRACE, exit.exited()).await;
     crate::process::kill_group(group, nix::sys::signal::Signal::SIGKILL);
     let _ = child.wait().await;
+}
+
+/// A service leader's exit, seen without reaping it (its pidfd).
+struct Exit {
+    pid: nix::unistd::Pid,
+    pidfd: Option<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>,
+}
+
+impl Exit {
+    fn watch(pid: i32) -> Exit {
+        let pid = nix::unistd::Pid::from_raw(pid);
+        let fd = crate::process::ExitWatch::new(pid).into_fd();
+        // SAFETY: an OwnedFd stays open and the same until the AsyncFd drops.
+        let pidfd = fd.and_then(|fd| unsafe { tokio::io::unix::AsyncFd::register(fd) }.ok());
+        Exit { pid, pidfd }
+    }
+
+    /// Resolves once the leader has exited (it is left for `wait` to reap).
+    async fn exited(&mut self) {
+        match &self.pidfd {
+            Some(pidfd) => {
+                let _ = pidfd.readable().await;
+            }
+            // No pidfd on this kernel: ask every 50 ms.
+            None => {
+                while !crate::process::has_exited(self.pid) {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
 }
 
 fn io_kind_name(error: &std::io::Error) -> &'static str {

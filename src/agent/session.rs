@@ -43,9 +43,12 @@ pub enum SessionEnd {
 /// What the calls of one session share.
 pub struct Session {
     out: mpsc::Sender<Message>,
-    pub running: Mutex<HashMap<String, Running>>,
-    /// Services by call id: sending stops one.
-    pub services: Mutex<HashMap<String, oneshot::Sender<()>>>,
+    /// Runs and compiles by a key of this session's, with their call id: a
+    /// call id is the engine's, and nothing stops two calls sharing one.
+    pub running: Mutex<HashMap<u64, (String, Running)>>,
+    /// Services, the same way: sending stops one.
+    pub services: Mutex<HashMap<u64, (String, oneshot::Sender<()>)>>,
+    next_key: std::sync::atomic::AtomicU64,
     heartbeat: Duration,
 }
 
@@ -73,40 +76,45 @@ impl Session {
         })
     }
 
-    pub fn cancelled(&self, call_id: &str) -> bool {
+    pub fn cancelled(&self, key: u64) -> bool {
         self.running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(call_id)
-            .is_some_and(|r| r.cancelled)
+            .get(&key)
+            .is_some_and(|(_, r)| r.cancelled)
     }
 
     /// A run or compile: SIGKILL now. A service: SIGTERM, grace, SIGKILL.
     /// An unknown id is ignored.
     fn cancel(&self, call_id: &str) {
-        if let Some(running) = self
+        for (id, running) in self
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get_mut(call_id)
+            .values_mut()
         {
-            tracing::info!(call = %call_id, "cancelling");
-            running.kill();
+            if id == call_id {
+                tracing::info!(call = %call_id, "cancelling");
+                running.kill();
+            }
         }
-        if let Some(stop) = self
-            .services
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(call_id)
-        {
-            tracing::info!(call = %call_id, "stopping");
-            let _ = stop.send(());
+        let mut services = self.services.lock().unwrap_or_else(|e| e.into_inner());
+        let stopping: Vec<u64> = services
+            .iter()
+            .filter(|(_, (id, _))| id == call_id)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in stopping {
+            if let Some((_, stop)) = services.remove(&key) {
+                tracing::info!(call = %call_id, "stopping");
+                let _ = stop.send(());
+            }
         }
     }
 
     /// Ends every call and service of this session.
     fn end_everything(&self) {
-        for running in self
+        for (_, running) in self
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -114,7 +122,7 @@ impl Session {
         {
             running.kill();
         }
-        for (_, stop) in self
+        for (_, (_, stop)) in self
             .services
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -200,6 +208,7 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
         out,
         running: Mutex::new(HashMap::new()),
         services: Mutex::new(HashMap::new()),
+        next_key: std::sync::atomic::AtomicU64::new(1),
         heartbeat: agent.heartbeat,
     });
     agent.touch();
@@ -298,28 +307,44 @@ fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>,
         tracing::warn!("ignored a message that is not a JSON object");
         return;
     };
+    let call_id = text_of(message.get("call_id").map(|r| &**r));
+    // Registered before the task first runs: a cancel right behind the call,
+    // or the socket dropping, must find it.
+    let key = session
+        .next_key
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     match text_of(message.get("op").map(|r| &**r)).as_str() {
         "run" | "compile" => {
+            session
+                .running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, (call_id, Running::default()));
             agent.call_started();
-            calls.spawn(call::serve(Arc::clone(agent), Arc::clone(session), message));
+            calls.spawn(call::serve(
+                Arc::clone(agent),
+                Arc::clone(session),
+                key,
+                message,
+            ));
         }
         "serve" => {
             let (stop, stopped) = oneshot::channel();
-            let call_id = text_of(message.get("call_id").map(|r| &**r));
             session
                 .services
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .insert(call_id, stop);
+                .insert(key, (call_id, stop));
             agent.call_started();
             calls.spawn(service::serve(
                 Arc::clone(agent),
                 Arc::clone(session),
+                key,
                 message,
                 stopped,
             ));
         }
-        "cancel" => session.cancel(&text_of(message.get("call_id").map(|r| &**r))),
+        "cancel" => session.cancel(&call_id),
         _ => {}
     }
 }

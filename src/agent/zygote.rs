@@ -113,6 +113,8 @@ impl Zygote {
         match started {
             Ok(()) => {}
             Err(why) => {
+                // It may still be running (it said something else first).
+                let _ = child.start_kill();
                 let status = child.wait().await.ok();
                 return Err(match status {
                     Some(status) if why.is_empty() => {
@@ -228,9 +230,10 @@ impl Zygote {
             }
             calls.insert(ticket, sender);
         }
-        self.send(&Frame::Call { ticket, request })
-            .await
-            .map_err(|e| format!("the zygote did not take the call: {e}"))?;
+        if let Err(error) = self.send(&Frame::Call { ticket, request }).await {
+            self.done(ticket);
+            return Err(format!("the zygote did not take the call: {error}"));
+        }
         Ok((ticket, receiver))
     }
 

@@ -22,7 +22,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use digest::{DIGEST_RULE, Digest};
-pub use token::{TOKEN_ENV, reinstate_token_for, take_token, use_token};
+pub use token::{
+    TOKEN_ENV, hide_argument, hide_variable, reinstate_token_for, take_token, use_token,
+};
 
 pub const DIR_ENV: &str = "FLUKSIO_ARTIFACT_DIR";
 pub const URL_ENV: &str = "FLUKSIO_ARTIFACT_URL";

@@ -19,16 +19,75 @@ static TOKEN: OnceLock<Option<String>> = OnceLock::new();
 /// the process has one thread.
 pub fn take_token() {
     let token = std::env::var(TOKEN_ENV).ok().filter(|t| !t.is_empty());
-    scrub_original_environment();
-    // SAFETY: called at start-up, before any other thread exists.
-    unsafe { std::env::remove_var(TOKEN_ENV) };
+    hide_variable(TOKEN_ENV);
     let _ = TOKEN.set(token);
+}
+
+/// Removes `name` from the environment and overwrites its value where
+/// `/proc/self/environ` reads it. Call while the process has one thread.
+pub fn hide_variable(name: &str) {
+    scrub_original_environment(name);
+    // SAFETY: the caller runs this single-threaded, at start-up.
+    unsafe { std::env::remove_var(name) };
 }
 
 /// Uses `token` for the artifact store (the agent's own worker token).
 pub fn use_token(token: &str) {
     let _ = TOKEN.set(Some(token.to_string()).filter(|t| !t.is_empty()));
 }
+
+/// Overwrites the value of `--flag VALUE` or `--flag=VALUE` where
+/// `/proc/self/cmdline` (and `ps`) read this process's arguments. The
+/// arguments were parsed already; only what other processes see changes.
+pub fn hide_argument(flag: &str) {
+    let Some((argc, argv)) = ARGUMENTS.get().copied() else {
+        return;
+    };
+    let with_value = format!("{flag}=");
+    // SAFETY: argv holds argc NUL-terminated strings the kernel put on the
+    // stack at exec; they are overwritten in place, within their length.
+    unsafe {
+        let argv = argv as *const *mut libc::c_char;
+        let mut hide_next = false;
+        for index in 0..argc as usize {
+            let arg = *argv.add(index);
+            if arg.is_null() {
+                break;
+            }
+            let text = CStr::from_ptr(arg).to_bytes();
+            let length = text.len();
+            if hide_next {
+                std::ptr::write_bytes(arg, b'x', length);
+                hide_next = false;
+            } else if text == flag.as_bytes() {
+                hide_next = true;
+            } else if text.starts_with(with_value.as_bytes()) {
+                std::ptr::write_bytes(arg.add(with_value.len()), b'x', length - with_value.len());
+            }
+        }
+    }
+}
+
+/// argc and argv as the C runtime passed them, kept for `hide_argument`.
+static ARGUMENTS: OnceLock<(i32, usize)> = OnceLock::new();
+
+/// Run by the C runtime before `main`, with the program's own arguments
+/// (glibc passes argc, argv and envp to `.init_array` functions).
+extern "C" fn remember_arguments(
+    argc: i32,
+    argv: *const *const libc::c_char,
+    _envp: *const *const libc::c_char,
+) {
+    let _ = ARGUMENTS.set((argc, argv as usize));
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static REMEMBER_ARGUMENTS: extern "C" fn(
+    i32,
+    *const *const libc::c_char,
+    *const *const libc::c_char,
+) = remember_arguments;
 
 /// The token, if this process was given one.
 pub fn token() -> Option<&'static str> {
@@ -44,11 +103,11 @@ pub fn reinstate_token_for(command: &mut std::process::Command) {
 }
 
 /// Overwrites the value in the environment block the process started with.
-fn scrub_original_environment() {
+fn scrub_original_environment(name: &str) {
     unsafe extern "C" {
         static mut environ: *mut *mut libc::c_char;
     }
-    let prefix = format!("{TOKEN_ENV}=");
+    let prefix = format!("{name}=");
     // SAFETY: single-threaded start-up; `environ` is a NULL-terminated array
     // of NUL-terminated strings, which this only overwrites in place, within
     // their own length.

@@ -159,14 +159,16 @@ impl Assignment {
             (next(), next(), next(), next(), next(), next());
         let kwargs = next();
         let kwargs = (next() == "1").then_some(kwargs);
-        let mut env = Vec::new();
-        loop {
-            let key = next();
-            if key.is_empty() {
-                break;
-            }
-            env.push((key, next()));
+        // The rest are pairs (the count is odd with them: checked above); an
+        // empty name is a name like any other here.
+        let mut rest: Vec<String> = fields.collect();
+        let mut env = Vec::with_capacity(rest.len() / 2);
+        while rest.len() >= 2 {
+            let value = rest.pop().unwrap_or_default();
+            let key = rest.pop().unwrap_or_default();
+            env.push((key, value));
         }
+        env.reverse();
         Some(Assignment {
             task,
             id,
@@ -202,7 +204,8 @@ pub fn wake(go: &impl std::os::fd::AsRawFd) {
     unsafe { libc::write(go.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
 
-/// Blocks until the zygote calls; exits quietly if it never will (closed).
+/// Blocks until the zygote calls. A standby that is not wanted any more is
+/// killed by the zygote (an eventfd has no end to wait for).
 pub fn wait_for_call(go: &impl std::os::fd::AsRawFd) {
     let mut count: u64 = 0;
     loop {

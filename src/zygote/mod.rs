@@ -290,12 +290,22 @@ impl Zygote {
             // Load it, as the reference loads an uncached node on compile and
             // on run alike. A run keeps the trial's logs as the start of its own.
             let mut held = HeldReply::default();
-            let landed = {
+            let trial = {
                 let mut trial_out = TrialOutput {
                     events: &mut *out,
                     reply: &mut held,
                 };
-                self.call_to_end(py, &assignment(Task::Trial), None, &mut trial_out)?
+                self.call_to_end(py, &assignment(Task::Trial), None, &mut trial_out)
+            };
+            let landed = match trial {
+                Ok(landed) => landed,
+                Err(stop) => {
+                    // What the trial could not do was answered into `held`.
+                    if !held.line.is_empty() {
+                        out.reply(&held.line);
+                    }
+                    return Err(stop);
+                }
             };
             let verdict = match landed.reaped.end {
                 crate::process::ChildEnd::Exited(code) if landed.replied => {
@@ -318,6 +328,21 @@ impl Zygote {
                 }
                 Some(TrialVerdict::Failed) | None => false,
             };
+            if request.op == Op::Run && verdict.is_none() && landed.replied {
+                // It loaded and replied, then was killed before it could say
+                // whether the zygote may keep it: the run never started.
+                let message = format!(
+                    "the node's loading process {} after it loaded, so the run did not start",
+                    landed.reaped.end
+                );
+                held.line = protocol::failure_reply(
+                    &request.id,
+                    &request.call_id,
+                    "RemoteError",
+                    &message,
+                    "",
+                );
+            }
             if request.op == Op::Compile || !loaded {
                 out.reply(&held.line);
                 self.children.recycle(landed.logs);
@@ -355,7 +380,10 @@ impl Zygote {
             Ok(false) => self
                 .finish(assignment, flight, out)
                 .map(|landed| self.children.recycle(landed.logs)),
-            Err(error) => Err(self.lost(assignment, error, out)),
+            Err(error) => {
+                self.children.land_later(flight);
+                Err(self.lost(assignment, error, out))
+            }
         }
     }
 
@@ -375,7 +403,10 @@ impl Zygote {
         }
         match flight.follow_to_reply(out) {
             Ok(_) => self.finish(assignment, flight, out),
-            Err(error) => Err(self.lost(assignment, error, out)),
+            Err(error) => {
+                self.children.land_later(flight);
+                Err(self.lost(assignment, error, out))
+            }
         }
     }
 
@@ -420,7 +451,8 @@ impl Zygote {
     }
 
     /// Only a failed poll or wait gets here: the zygote no longer knows its
-    /// own children, and a restart is the honest fix.
+    /// own children, and a restart is the honest fix. (The caller has killed
+    /// the call's session where it still had the flight.)
     fn lost(
         &mut self,
         assignment: &Assignment,
@@ -652,5 +684,10 @@ impl CallOutput for TrialOutput<'_> {
 
     fn reply(&mut self, line: &[u8]) {
         self.reply.line = line.to_vec();
+    }
+
+    /// The trial's child is the call's while it runs: a cancel kills it.
+    fn started(&mut self, pid: Pid) {
+        self.events.started(pid);
     }
 }

@@ -84,8 +84,15 @@ struct Server<'a> {
 impl Server<'_> {
     fn serve(&mut self, py: Python<'_>, zygote: &mut Zygote) -> ExitCode {
         set_nonblocking(self.socket.as_raw_fd());
+        // Set once forking became unsafe: no new call is taken, the runs in
+        // flight (each forked safely) land and are reported, then the zygote
+        // exits for the agent to start a new one.
+        let mut restarting = false;
         loop {
-            let (link_ready, exited) = match self.wait() {
+            if restarting && self.runs.is_empty() {
+                return ExitCode::from(MUST_RESTART);
+            }
+            let (link_ready, exited) = match self.wait(!restarting) {
                 Ok(ready) => ready,
                 Err(error) => {
                     tracing::error!("the zygote lost track of its link: {error}");
@@ -109,9 +116,9 @@ impl Server<'_> {
             loop {
                 match self.receiver.next_frame() {
                     Ok(Some(Frame::Call { ticket, request })) => {
-                        if let Some(code) = self.call(py, zygote, ticket, &request) {
-                            self.close(zygote);
-                            return code;
+                        if self.call(py, zygote, ticket, &request) {
+                            restarting = true;
+                            break;
                         }
                     }
                     Ok(Some(other)) => {
@@ -129,8 +136,13 @@ impl Server<'_> {
 
     /// Waits for a frame or a run's exit: whether the link is readable, and
     /// the indices of runs whose child has exited, ascending.
-    fn wait(&self) -> std::io::Result<(bool, Vec<usize>)> {
-        let mut fds = vec![PollFd::new(self.socket, PollFlags::POLLIN)];
+    fn wait(&self, link: bool) -> std::io::Result<(bool, Vec<usize>)> {
+        let interest = if link {
+            PollFlags::POLLIN
+        } else {
+            PollFlags::empty()
+        };
+        let mut fds = vec![PollFd::new(self.socket, interest)];
         let mut owners = Vec::new();
         let mut watched_all = true;
         for (index, (_, flight)) in self.runs.iter().enumerate() {
@@ -167,17 +179,11 @@ impl Server<'_> {
             exited.sort_unstable();
             exited.dedup();
         }
-        Ok((ready(&fds[0]), exited))
+        Ok((link && ready(&fds[0]), exited))
     }
 
     /// Serves one request; `Some` exit code when the zygote must stop.
-    fn call(
-        &mut self,
-        py: Python<'_>,
-        zygote: &mut Zygote,
-        ticket: u64,
-        request: &[u8],
-    ) -> Option<ExitCode> {
+    fn call(&mut self, py: Python<'_>, zygote: &mut Zygote, ticket: u64, request: &[u8]) -> bool {
         let mut out = LinkOutput {
             socket: self.socket,
             ticket,
@@ -187,7 +193,7 @@ impl Server<'_> {
             Err(refusal) => {
                 out.reply(&refusal.reply());
                 self.send(Frame::Done { ticket });
-                return None;
+                return false;
             }
         };
         match zygote.serve_detached(py, &request, &mut out) {
@@ -211,12 +217,10 @@ impl Server<'_> {
                     ));
                 }
                 self.send(Frame::Done { ticket });
-                return Some(ExitCode::from(MUST_RESTART));
+                return true;
             }
         }
-        zygote
-            .needs_recovery()
-            .then(|| ExitCode::from(MUST_RESTART))
+        zygote.needs_recovery()
     }
 
     /// A run's child has exited: its session killed, reaped, reported.
@@ -231,7 +235,11 @@ impl Server<'_> {
                 });
                 zygote.recycle(landed.logs);
             }
-            Err(error) => tracing::error!("could not reap a call's process: {error}"),
+            Err(error) => {
+                // The agent still hears the call is over.
+                tracing::error!("could not reap a call's process: {error}");
+                self.send(Frame::Done { ticket });
+            }
         }
     }
 
