@@ -64,13 +64,13 @@ pub(super) struct Children {
 }
 
 impl Children {
-    fn fresh_logs(&mut self) -> LogBuffer {
+    fn fresh_logs(&mut self) -> std::io::Result<LogBuffer> {
         match self.spare_logs.pop() {
             Some(logs) => {
                 logs.clear();
-                logs
+                Ok(logs)
             }
-            None => LogBuffer::new().expect("a 64 KiB shared mapping"),
+            None => LogBuffer::new(),
         }
     }
 
@@ -219,7 +219,7 @@ impl Zygote {
         let (control_read, control_write) = pipe()?;
         let (lines_read, lines_write) = pipe()?;
         let go = child::wake_up_call().map_err(SpawnError::Io)?;
-        let logs = self.children.fresh_logs();
+        let logs = self.children.fresh_logs().map_err(SpawnError::Io)?;
         freeze_gc(py);
         match fork::fork(py) {
             Ok(fork::Forked::Child) => {
