@@ -113,28 +113,12 @@ pub fn reap(pid: Pid) -> io::Result<Reaped> {
     })
 }
 
-/// Whether `pid` has exited, without reaping it: the zombie keeps its pid,
-/// so its process group can still be signalled safely.
-pub fn has_exited(pid: Pid) -> bool {
-    // SAFETY: siginfo_t is plain data; zeroed is valid and waitid fills it in.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    // SAFETY: a pointer to a live local.
-    let done = unsafe {
-        libc::waitid(
-            libc::P_PID,
-            pid.as_raw() as libc::id_t,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-        )
-    };
-    // SAFETY: waitid succeeded, so si_pid is initialised (0 when nothing changed).
-    done == 0 && unsafe { info.si_pid() } == pid.as_raw()
-}
-
-/// Blocks until `pid` has exited, without reaping it (see [`has_exited`]).
-pub fn wait_exited(pid: Pid) -> io::Result<()> {
+/// `waitid` for `pid`'s exit, leaving it unreaped (`WNOWAIT`): the zombie
+/// keeps its pid, so its process group can still be signalled safely.
+/// Whether it has exited (always true without `WNOHANG` in `flags`).
+fn wait_unreaped(pid: Pid, flags: libc::c_int) -> io::Result<bool> {
     loop {
-        // SAFETY: siginfo_t is plain data; waitid fills it in.
+        // SAFETY: siginfo_t is plain data; zeroed is valid and waitid fills it in.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
         // SAFETY: a pointer to a live local.
         let done = unsafe {
@@ -142,17 +126,28 @@ pub fn wait_exited(pid: Pid) -> io::Result<()> {
                 libc::P_PID,
                 pid.as_raw() as libc::id_t,
                 &mut info,
-                libc::WEXITED | libc::WNOWAIT,
+                libc::WEXITED | libc::WNOWAIT | flags,
             )
         };
         if done == 0 {
-            return Ok(());
+            // SAFETY: waitid succeeded, so si_pid is set (0 when nothing changed).
+            return Ok(unsafe { info.si_pid() } == pid.as_raw());
         }
         let error = io::Error::last_os_error();
         if error.kind() != io::ErrorKind::Interrupted {
             return Err(error);
         }
     }
+}
+
+/// Whether `pid` has exited, without reaping it.
+pub fn has_exited(pid: Pid) -> bool {
+    wait_unreaped(pid, libc::WNOHANG).unwrap_or(false)
+}
+
+/// Blocks until `pid` has exited, without reaping it.
+pub fn wait_exited(pid: Pid) -> io::Result<()> {
+    wait_unreaped(pid, 0).map(|_| ())
 }
 
 /// Signals every process in the group `leader` leads, and `leader` itself:

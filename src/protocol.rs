@@ -194,7 +194,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtocolError> {
 }
 
 /// `env` values are taken as strings, as agent.py's `str(v)` does.
-fn parse_env(raw: &RawValue) -> Result<Vec<(String, String)>, String> {
+pub fn parse_env(raw: &RawValue) -> Result<Vec<(String, String)>, String> {
     let map: BTreeMap<String, serde_json::Value> = serde_json::from_str(raw.get())
         .map_err(|_| format!("\"env\" must be an object, not {}", json_kind(raw.get())))?;
     if let Some(bad) = map

@@ -320,27 +320,21 @@ fn ended_reply(
 }
 
 /// The call's `env`, taken off the request: values as strings,
-/// `CUDA_VISIBLE_DEVICES` read as positions in this agent's own mask.
+/// `CUDA_VISIBLE_DEVICES` read as positions in this agent's own mask. An
+/// `env` the contract refuses is left in place, for the zygote to refuse
+/// with its reason.
 fn take_env(
     request: &mut BTreeMap<String, Box<RawValue>>,
     mask: Option<&str>,
 ) -> BTreeMap<String, String> {
-    let Some(raw) = request.remove("env") else {
+    let Some(raw) = request.get("env") else {
         return BTreeMap::new();
     };
-    let Ok(map) = serde_json::from_str::<BTreeMap<String, serde_json::Value>>(raw.get()) else {
+    let Ok(pairs) = protocol::parse_env(raw) else {
         return BTreeMap::new();
     };
-    let mut env: BTreeMap<String, String> = map
-        .into_iter()
-        .map(|(key, value)| {
-            let value = match value {
-                serde_json::Value::String(s) => s,
-                other => other.to_string(),
-            };
-            (key, value)
-        })
-        .collect();
+    request.remove("env");
+    let mut env: BTreeMap<String, String> = pairs.into_iter().collect();
     if let (Some(mask), Some(requested)) = (
         mask.filter(|m| !m.is_empty()),
         env.get("CUDA_VISIBLE_DEVICES").filter(|r| !r.is_empty()),
