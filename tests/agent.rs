@@ -967,3 +967,46 @@ fn an_environment_name_that_cannot_be_one_is_refused() {
             .contains("not an environment variable name")
     );
 }
+
+fn open_fds(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn hundreds_of_calls_leave_no_fd_or_process_behind() {
+    let engine = Engine::start(Answer::Welcome);
+    let agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    let source = "import os\ndef process(i):\n    yield {'i': i}\n    return os.getppid()\n";
+    let mut call = |i: usize| {
+        connection
+            .reply_to(&run(&format!("m{i}"), source, json!({"i": i})), WAIT)
+            .1
+    };
+    let zygote = (0..20).map(&mut call).last().unwrap()["result"]
+        .as_i64()
+        .unwrap() as i32;
+    let agent_pid = agent.child.id() as i32;
+    // Let the last call's child be reaped.
+    std::thread::sleep(Duration::from_millis(300));
+    let before = (
+        open_fds(agent_pid),
+        open_fds(zygote),
+        common::children_of(zygote).len(),
+    );
+    for i in 20..320 {
+        assert_eq!(call(i)["result"], zygote);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let after = (
+        open_fds(agent_pid),
+        open_fds(zygote),
+        common::children_of(zygote).len(),
+    );
+    assert_eq!(
+        after, before,
+        "(agent fds, zygote fds, zygote children) after 300 more calls"
+    );
+}
