@@ -7,7 +7,7 @@
 
 mod support;
 
-use support::{ZYGOTE, python};
+use support::{ZYGOTE, flag, python};
 
 #[path = "../tests/common/engine.rs"]
 mod engine;
@@ -31,13 +31,6 @@ struct Scenario {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str, default: usize| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1)?.parse().ok())
-            .unwrap_or(default)
-    };
     let (calls, fresh_calls, events) = (
         flag("--calls", 300),
         flag("--fresh-calls", 10),

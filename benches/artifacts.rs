@@ -8,7 +8,7 @@
 
 mod support;
 
-use support::{ZYGOTE, python};
+use support::{ZYGOTE, flag, python};
 
 #[path = "../tests/common/artifact_server.rs"]
 mod artifact_server;
@@ -34,13 +34,6 @@ def process(op, path=None, ref=None):
 ";
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str, default: usize| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1)?.parse().ok())
-            .unwrap_or(default)
-    };
     let (mib, runs) = (flag("--mib", 1024), flag("--runs", 3));
     // On tmpfs where there is one: the disk's writeback would otherwise
     // decide the figures (the same 1 GiB copy took 0.3 s or 3 s on this VM).

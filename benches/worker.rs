@@ -19,7 +19,7 @@
 
 mod support;
 
-use support::{ZYGOTE, python};
+use support::{ZYGOTE, flag, python};
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -51,9 +51,8 @@ const SCENARIOS: [Scenario; 2] = [
 ];
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let calls = flag(&args, "--calls").unwrap_or(2000);
-    let fresh_calls = flag(&args, "--fresh-calls").unwrap_or(100);
+    let calls = flag("--calls", 2000);
+    let fresh_calls = flag("--fresh-calls", 100);
     let python = python();
     println!(
         "calls per row: {calls} ({fresh_calls} for fresh processes); python: {}",
@@ -127,11 +126,6 @@ fn python_fork(python: &PathBuf, preload: &str, calls: usize) -> Stats {
         .map(Duration::from_secs_f64)
         .collect();
     Stats::of(samples)
-}
-
-fn flag(args: &[String], name: &str) -> Option<usize> {
-    let at = args.iter().position(|a| a == name)?;
-    args.get(at + 1)?.parse().ok()
 }
 
 fn ms(d: Duration) -> f64 {

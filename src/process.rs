@@ -39,10 +39,6 @@ impl ChildEnd {
             ChildEnd::Exited(libc::WEXITSTATUS(status))
         }
     }
-
-    pub fn success(&self) -> bool {
-        *self == ChildEnd::Exited(0)
-    }
 }
 
 impl fmt::Display for ChildEnd {

@@ -79,15 +79,22 @@ fn lines(stream: impl std::io::Read + Send + 'static) -> Receiver<String> {
     receive
 }
 
+/// An engine, an agent with no extra flags attached to it, and the
+/// connection it made.
+fn attached() -> (Engine, Agent, common::engine::Connection) {
+    let engine = Engine::start(Answer::Welcome);
+    let agent = Agent::start(&engine.url, &[], &[]);
+    let connection = engine.next_connection(WAIT);
+    (engine, agent, connection)
+}
+
 fn run(call_id: &str, source: &str, kwargs: Value) -> Value {
     json!({"op": "run", "id": 1, "call_id": call_id, "flow": "f", "node": call_id, "source": source, "kwargs": kwargs})
 }
 
 #[test]
 fn a_run_round_trip_with_events_in_order() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     assert_eq!(connection.hello["op"], "hello");
     connection.send(&run("c1", "import fluksio\ndef process(n):\n    for i in range(n):\n        yield {'i': i}\n    fluksio.emit(done=True)\n    return n\n", json!({"n": 3})));
     let (events, reply) = connection.reply("c1", WAIT);
@@ -210,9 +217,7 @@ fn hello_carries_every_field_of_protocol_3() {
 
 #[test]
 fn compile_and_errors_come_back_as_replies() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     connection.send(&compile(
         "k1",
         "print('loading')\ndef process():\n    return 1\n",
@@ -243,9 +248,7 @@ fn compile_and_errors_come_back_as_replies() {
 
 #[test]
 fn heartbeats_while_a_call_runs_and_none_after() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     connection.send(&run(
         "h1",
         "import time\ndef process():\n    time.sleep(1.5)\n    return 'slept'\n",
@@ -271,9 +274,7 @@ fn heartbeats_while_a_call_runs_and_none_after() {
 
 #[test]
 fn cancel_kills_a_sleeping_node_and_what_it_started() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     connection.send(&run("s1", SLEEPER, json!({})));
     let started = connection.until(WAIT, |m| m["event"] == "emit");
     let pids = pids(started.last().unwrap());
@@ -296,9 +297,7 @@ fn cancel_kills_a_sleeping_node_and_what_it_started() {
 
 #[test]
 fn a_node_that_ends_its_process_says_how() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     connection.send(&run(
         "e1",
         "import os\ndef process():\n    print('bye')\n    os._exit(3)\n",
@@ -427,9 +426,7 @@ fn a_401_at_the_handshake_stops_the_agent_once() {
 
 #[test]
 fn a_dropped_socket_ends_the_calls_then_reconnects() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (engine, _agent, connection) = attached();
     connection.send(&run("d1", SLEEPER, json!({})));
     let pids = pids(
         connection
@@ -590,9 +587,7 @@ fn cuda_devices_are_read_in_the_agent_mask() {
 
 #[test]
 fn a_dead_zygote_fails_its_calls_and_is_replaced() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     connection.send(&run("z1", SLEEPER, json!({})));
     let pids = pids(
         connection
@@ -877,9 +872,7 @@ fn a_compile_stuck_loading_is_cancelled_and_the_agent_serves_on() {
 
 #[test]
 fn a_cancel_right_behind_its_run_is_not_lost() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     connection.send(&run(
         "quick",
         "import time\ndef process():\n    time.sleep(3600)\n",
@@ -892,9 +885,7 @@ fn a_cancel_right_behind_its_run_is_not_lost() {
 
 #[test]
 fn calls_sharing_a_call_id_are_each_tracked() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     connection.send(&run("twin", SLEEPER, json!({})));
     connection.send(&run("twin", SLEEPER, json!({})));
     let mut pids_seen = Vec::new();
@@ -928,9 +919,7 @@ fn calls_sharing_a_call_id_are_each_tracked() {
 
 #[test]
 fn a_call_ends_at_its_reply_even_if_a_detached_grandchild_holds_its_pipe() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     let source = "import os, time\ndef process():\n    pid = os.fork()\n    if pid == 0:\n        os.setsid()\n        time.sleep(30)\n        os._exit(0)\n    return pid\n";
     let (_, reply) = connection.reply_to(&run("fork", source, json!({})), WAIT);
     let escaped = reply["result"].as_i64().expect("the grandchild's pid") as i32;
@@ -953,9 +942,7 @@ fn a_call_ends_at_its_reply_even_if_a_detached_grandchild_holds_its_pipe() {
 
 #[test]
 fn an_environment_name_that_cannot_be_one_is_refused() {
-    let engine = Engine::start(Answer::Welcome);
-    let _agent = Agent::start(&engine.url, &[], &[]);
-    let connection = engine.next_connection(WAIT);
+    let (_engine, _agent, connection) = attached();
     let mut request = run("badenv", "def process():\n    return 1\n", json!({}));
     request["env"] = json!({"": "x", "CUDA_VISIBLE_DEVICES": "0"});
     let (_, reply) = connection.reply_to(&request, WAIT);

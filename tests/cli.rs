@@ -4,18 +4,11 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use common::{Worker, ZYGOTE, run};
+use common::{Worker, ZYGOTE, run, scratch};
 use serde_json::{Value, json};
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("fz-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a scratch directory");
-    dir
-}
 
 /// Runs the binary with `args`, one request on stdin, and waits.
 fn once(command: &mut Command, request: Option<&Value>) -> Output {

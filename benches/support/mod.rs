@@ -4,6 +4,15 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+/// `--name N` from the bench's arguments, or `default`.
+pub fn flag(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|at| args.get(at + 1)?.parse().ok())
+        .unwrap_or(default)
+}
+
 pub const ZYGOTE: &str = env!("CARGO_BIN_EXE_fluksio-zygote");
 
 /// The interpreter the zygote embeds, which the reference runs on too: asked

@@ -154,6 +154,14 @@ impl Flight {
         }
         process::kill_group(self.pid, Signal::SIGKILL);
         let reaped = process::reap(self.pid)?;
+        tracing::debug!(
+            pid = self.pid.as_raw(),
+            user_ms = reaped.user_time.as_millis() as u64,
+            system_ms = reaped.system_time.as_millis() as u64,
+            max_rss_kib = reaped.max_rss_kib,
+            "a call's process {}",
+            reaped.end
+        );
         Ok(Landed {
             reaped,
             replied: self.replied,

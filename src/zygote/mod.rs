@@ -152,7 +152,6 @@ struct Compiled {
 /// The zygote's state between calls.
 pub struct Zygote {
     pid: Pid,
-    python: PathBuf,
     nodes: HashMap<NodeKey, Compiled>,
     /// Bumped whenever `nodes` changes: a child forked before then holds
     /// the old state, and is not used.
@@ -204,17 +203,11 @@ impl Zygote {
         gc.call_method0("freeze")?;
         Ok(Zygote {
             pid: nix::unistd::getpid(),
-            python: options.python.clone(),
             nodes: HashMap::new(),
             generation: 0,
             children: standby::Children::default(),
             needs_recovery: false,
         })
-    }
-
-    /// The interpreter node code runs on.
-    pub fn python(&self) -> &PathBuf {
-        &self.python
     }
 
     /// Serves one request of the worker contract: every line it produces
