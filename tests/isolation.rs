@@ -135,3 +135,14 @@ fn stdin_closing_ends_the_worker_and_every_child() {
         );
     }
 }
+
+#[test]
+fn each_call_gets_the_gc_back_and_the_zygote_heap_stays_frozen() {
+    let mut worker = Worker::zygote(&[]);
+    let source =
+        "import gc\ndef process():\n    return [gc.isenabled(), gc.get_freeze_count() > 0]\n";
+    let reply = worker.call(&run(1, "gc", source, json!({}))).reply;
+    // The zygote keeps its cyclic GC off and its objects frozen (shared
+    // pages stay shared); a call collects its own garbage as usual.
+    assert_eq!(reply["result"], json!([true, true]), "{reply}");
+}
