@@ -36,6 +36,9 @@ enum Command {
     /// (internal) The zygote an agent starts, serving it over a Unix socket
     #[command(hide = true)]
     Zygote(ZygoteLinkArgs),
+    /// (internal) Ends a dead process's calls: kills and removes these cgroups
+    #[command(hide = true)]
+    Warden { cgroups: Vec<PathBuf> },
     /// Print the local path of an artifact, fetching and verifying it if needed
     #[command(
         after_help = "The store is chosen as node code's is: FLUKSIO_ARTIFACT_DIR, else \
@@ -145,6 +148,11 @@ struct ZygoteArgs {
         value_name = "MODULES"
     )]
     preload: Vec<String>,
+
+    /// Each call's memory limit: a call over it is killed and its reply says so
+    /// (cgroup memory where it can be made, else RLIMIT_DATA)
+    #[arg(long, env = "FLUKSIO_CALL_MEMORY_LIMIT_MIB", value_name = "MiB")]
+    call_memory_limit: Option<u64>,
 }
 
 impl ZygoteArgs {
@@ -160,6 +168,9 @@ impl ZygoteArgs {
                 .map(|m| m.trim().to_string())
                 .filter(|m| !m.is_empty())
                 .collect(),
+            containment: crate::containment::Options {
+                memory_limit_mib: self.call_memory_limit.filter(|&mib| mib > 0),
+            },
         }
     }
 }
@@ -233,6 +244,7 @@ pub fn main() -> ExitCode {
             ca_cert: args.ca_cert,
         }),
         Command::Zygote(args) => crate::zygote::server::run(&args.zygote.options(), args.link_fd),
+        Command::Warden { cgroups } => crate::containment::warden::main(&cgroups),
         Command::Sweep(args) => sweep::run(&SweepOptions {
             zygote: args.zygote.options(),
             node: args.node,

@@ -15,6 +15,7 @@
 pub mod agent;
 pub mod artifacts;
 pub mod cli;
+pub mod containment;
 pub mod fluksio;
 pub mod link;
 pub mod process;

@@ -59,6 +59,9 @@ const LINE: u8 = 6;
 const ENDED: u8 = 7;
 const DONE: u8 = 8;
 
+/// An `Ended` code at or below `-OVER_MEMORY_LIMIT` is a memory-limit kill.
+const OVER_MEMORY_LIMIT: i32 = 1000;
+
 impl Frame {
     /// The bytes of a frame that carries no fd (what the agent sends).
     pub fn bytes(&self) -> Vec<u8> {
@@ -82,9 +85,14 @@ impl Frame {
             Frame::Pipe { ticket, pipe } => (PIPE, *ticket, Vec::new(), Some(pipe.as_raw_fd())),
             Frame::Line { ticket, line } => (LINE, *ticket, line.clone(), None),
             Frame::Ended { ticket, end, logs } => {
+                // Exit codes are 0..=255 and signals 1..=64: an end over a
+                // memory limit is written below both, as -(1000 + MiB).
                 let code = match end {
                     ChildEnd::Exited(code) => *code,
                     ChildEnd::Signaled(signal) => -(*signal as i32),
+                    ChildEnd::OverMemoryLimit(mib) => {
+                        -(OVER_MEMORY_LIMIT + (*mib).min(i32::MAX as u64 / 2) as i32)
+                    }
                 };
                 let mut payload = code.to_le_bytes().to_vec();
                 payload.extend_from_slice(logs.as_bytes());
@@ -144,6 +152,8 @@ impl Frame {
                 let code = number(payload)?;
                 let end = if code >= 0 {
                     ChildEnd::Exited(code)
+                } else if code <= -OVER_MEMORY_LIMIT {
+                    ChildEnd::OverMemoryLimit((-(code as i64) - OVER_MEMORY_LIMIT as i64) as u64)
                 } else {
                     ChildEnd::Signaled(
                         nix::sys::signal::Signal::try_from(-code).map_err(|e| e.to_string())?,

@@ -21,6 +21,8 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
+use crate::zygote::plumbing::Claimed;
+
 /// How a child process ended, as its parent saw it when reaping it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChildEnd {
@@ -28,9 +30,32 @@ pub enum ChildEnd {
     Exited(i32),
     /// Ended by a signal: a crash (SIGSEGV, SIGABRT) or a kill.
     Signaled(Signal),
+    /// Killed by the kernel's OOM killer for going over the call's memory
+    /// limit (`--call-memory-limit`, MiB).
+    OverMemoryLimit(u64),
 }
 
 impl ChildEnd {
+    /// The `message` of a reply for a call whose process ended this way
+    /// before it replied.
+    pub fn ended_message(&self) -> String {
+        match self {
+            ChildEnd::OverMemoryLimit(_) => {
+                format!("the node process {self}; raise --call-memory-limit, or use less memory")
+            }
+            _ => format!("the node process {self} before it replied"),
+        }
+    }
+
+    /// The `error.type` of a reply that says the process ended this way:
+    /// Python's own for memory, the contract's for the rest.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ChildEnd::OverMemoryLimit(_) => "MemoryError",
+            _ => crate::protocol::ENDED_WITHOUT_REPLY,
+        }
+    }
+
     fn from_wait_status(status: libc::c_int) -> ChildEnd {
         if libc::WIFSIGNALED(status) {
             let signal = Signal::try_from(libc::WTERMSIG(status)).unwrap_or(Signal::SIGKILL);
@@ -54,6 +79,10 @@ impl fmt::Display for ChildEnd {
                     None => Ok(()),
                 }
             }
+            ChildEnd::OverMemoryLimit(mib) => write!(
+                f,
+                "exceeded the call's memory limit of {mib} MiB and was killed"
+            ),
         }
     }
 }
@@ -91,6 +120,7 @@ pub fn reap(pid: Pid) -> io::Result<Reaped> {
         // SAFETY: pointers to live locals; wait4 writes only through them.
         let done = unsafe { libc::wait4(pid.as_raw(), &mut status, 0, &mut usage) };
         if done == pid.as_raw() {
+            crate::containment::strays::forget(done);
             break;
         }
         let error = io::Error::last_os_error();
@@ -156,7 +186,9 @@ pub fn kill_group(leader: Pid, signal: Signal) {
 
 /// Readable once a child has exited: a pidfd, where the kernel has them.
 pub struct ExitWatch {
-    fd: Option<OwnedFd>,
+    /// Claimed: a call's child must never hold another call's pidfd, which
+    /// would let it signal that call's process.
+    fd: Option<Claimed>,
 }
 
 impl ExitWatch {
@@ -169,7 +201,7 @@ impl ExitWatch {
             // SAFETY: the kernel just returned this fd to us; nobody else owns it.
             let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
             set_cloexec(fd.as_fd());
-            fd
+            Claimed::new(fd)
         });
         ExitWatch { fd }
     }
@@ -181,7 +213,7 @@ impl ExitWatch {
 
     /// The pidfd itself, for a caller that waits on it its own way.
     pub fn into_fd(self) -> Option<OwnedFd> {
-        self.fd
+        self.fd.map(Claimed::release)
     }
 
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {

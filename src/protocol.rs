@@ -104,18 +104,87 @@ fn python_str(raw: &RawValue) -> String {
     }
 }
 
-fn null() -> &'static RawValue {
+/// The JSON `null`, as a raw value.
+pub fn null() -> &'static RawValue {
     serde_json::from_str("null").expect("null is JSON")
 }
 
-/// Parses one request line. Empty lines never reach here (they are skipped).
+/// How deep a request (or an engine frame) may nest, the line itself
+/// counting as one level. Python's `json` gives up near 1,000 levels (its
+/// recursion limit) and the engine's `orjson.dumps` at 255, so 512 is below
+/// what the engine can read back and above anything it can send.
+pub const MAX_NESTING: usize = 512;
+
+/// Whether `json` nests arrays and objects more than `limit` levels deep,
+/// brackets inside strings not counted. A scan of the bytes, not a parse:
+/// serde_json reads a `RawValue` without recursion, and so without its own
+/// limit of 128, so nothing else stops a line 100,000 levels deep from being
+/// echoed back to a reader that cannot take it.
+pub fn nested_deeper_than(json: &[u8], limit: usize) -> bool {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &byte in json {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if byte == b'\\' {
+                escaped = true;
+            } else if byte == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// The refusal of a request nested deeper than [`MAX_NESTING`]. Its `id` is
+/// not echoed: the `id` may be the deep part.
+pub fn too_deep() -> ProtocolError {
+    ProtocolError::new(format!(
+        "the request nests arrays and objects more than {MAX_NESTING} levels deep, \
+         deeper than the engine's JSON reader takes back: send flatter data, \
+         or pass it as an artifact and send its reference"
+    ))
+}
+
+/// Parses one request line as the agent's zygote reads it over its link:
+/// `env` is applied to the call's process. Empty lines never reach here
+/// (they are skipped).
 pub fn parse_request(line: &[u8]) -> Result<Request, ProtocolError> {
+    parse(line, true)
+}
+
+/// Parses one request line of the worker contract (`fluksio-zygote worker`
+/// on stdin). `env` is no field of that contract: it is ignored, whatever it
+/// holds, as `worker_main.py` ignores it (only the agent takes `env` off a
+/// request, and it sends it on with [`parse_request`]).
+pub fn parse_worker_request(line: &[u8]) -> Result<Request, ProtocolError> {
+    parse(line, false)
+}
+
+fn parse(line: &[u8], with_env: bool) -> Result<Request, ProtocolError> {
     let text = std::str::from_utf8(line).map_err(|e| {
         ProtocolError::new(format!(
             "the request is not UTF-8 (invalid byte at offset {}): send one JSON object per line",
             e.valid_up_to()
         ))
     })?;
+    if nested_deeper_than(line, MAX_NESTING) {
+        return Err(too_deep());
+    }
     let value: Box<RawValue> = serde_json::from_str(text).map_err(|e| {
         ProtocolError::new(format!(
             "the request is not JSON ({e}): send one JSON object per line"
@@ -176,6 +245,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtocolError> {
         .filter(|raw| raw.get() != "null")
         .map(|raw| (*raw).to_owned());
     let env = match fields.get("env") {
+        _ if !with_env => Vec::new(),
         None => Vec::new(),
         Some(raw) if raw.get() == "null" => Vec::new(),
         Some(raw) => parse_env(raw).map_err(refuse)?,
@@ -277,8 +347,7 @@ pub const ENDED_WITHOUT_REPLY: &str = "RemoteError";
 
 /// The reply for a call whose process ended before it could answer.
 pub fn ended_without_reply(id: &RawValue, call_id: &str, end: ChildEnd, logs: &str) -> Vec<u8> {
-    let message = format!("the node process {end} before it replied");
-    failure_reply(id, call_id, ENDED_WITHOUT_REPLY, &message, logs)
+    failure_reply(id, call_id, end.error_type(), &end.ended_message(), logs)
 }
 
 /// A reply that says a call's process ended without one, rewritten for a
@@ -396,5 +465,240 @@ mod tests {
                 .starts_with("ProtocolError: ")
         );
         assert_eq!(reply["logs"], "");
+    }
+}
+
+/// The decoder under attack: whatever a line holds, `parse_request` answers
+/// without a panic, within bounded time, and every refusal is one line of
+/// JSON the engine can read back.
+#[cfg(test)]
+pub(crate) mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// `cases` cases, drawn with xorshift: proptest's default ChaCha is
+    /// most of the time a debug build spends here.
+    pub(crate) fn config(cases: u32) -> ProptestConfig {
+        ProptestConfig {
+            cases,
+            rng_algorithm: proptest::test_runner::RngAlgorithm::XorShift,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// Parses `line` both ways and checks what any answer must be.
+    fn check(line: &[u8]) {
+        for parsed in [parse_request(line), parse_worker_request(line)] {
+            match parsed {
+                Ok(request) => {
+                    assert!(!nested_deeper_than(line, MAX_NESTING));
+                    assert!(serde_json::from_str::<&RawValue>(request.id.get()).is_ok());
+                    if let Some(kwargs) = &request.kwargs {
+                        assert!(serde_json::from_str::<&RawValue>(kwargs.get()).is_ok());
+                    }
+                }
+                Err(refusal) => {
+                    let reply = refusal.reply();
+                    assert_eq!(reply.last(), Some(&b'\n'));
+                    assert!(!reply[..reply.len() - 1].contains(&b'\n'), "one line");
+                    assert!(!nested_deeper_than(&reply, MAX_NESTING));
+                    let value: serde_json::Value = serde_json::from_slice(&reply)
+                        .unwrap_or_else(|e| panic!("refusal not JSON ({e}): {reply:?}"));
+                    assert_eq!(value["error"]["type"], "ProtocolError");
+                    assert_eq!(value["ok"], false);
+                }
+            }
+        }
+    }
+
+    /// Any JSON value, a few levels deep.
+    pub(crate) fn value() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::Bool),
+            any::<i64>().prop_map(|n| serde_json::json!(n)),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(|f| serde_json::json!(f)),
+            any::<String>().prop_map(serde_json::Value::String),
+            "[\\[\\]{}\"\\\\]{0,8}".prop_map(serde_json::Value::String),
+        ];
+        leaf.prop_recursive(8, 64, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(serde_json::Value::Array),
+                prop::collection::btree_map(any::<String>(), inner, 0..6)
+                    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn depth(value: &serde_json::Value) -> usize {
+        match value {
+            serde_json::Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+            serde_json::Value::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// A request whose fields are the contract's, each holding anything.
+    fn request() -> impl Strategy<Value = serde_json::Value> {
+        let key = prop_oneof![
+            Just("op".to_string()),
+            Just("id".to_string()),
+            Just("call_id".to_string()),
+            Just("flow".to_string()),
+            Just("node".to_string()),
+            Just("source".to_string()),
+            Just("keep".to_string()),
+            Just("kwargs".to_string()),
+            Just("env".to_string()),
+            Just("run".to_string()),
+            any::<String>(),
+        ];
+        let field = prop_oneof![
+            Just(serde_json::json!("run")),
+            Just(serde_json::json!("compile")),
+            Just(serde_json::json!("f")),
+            value(),
+        ];
+        prop::collection::btree_map(key, field, 0..10)
+            .prop_map(|m| serde_json::Value::Object(m.into_iter().collect()))
+    }
+
+    /// Text made of JSON's own tokens in any order: mostly not JSON, and
+    /// where it is, anything at all.
+    pub(crate) fn soup() -> impl Strategy<Value = Vec<u8>> {
+        let token = prop_oneof![
+            Just(&b"{"[..]),
+            Just(&b"}"[..]),
+            Just(&b"["[..]),
+            Just(&b"]"[..]),
+            Just(&b","[..]),
+            Just(&b":"[..]),
+            Just(&b"\""[..]),
+            Just(&b"\\"[..]),
+            Just(&b"\\u"[..]),
+            Just(&b"\\ud800"[..]),
+            Just(&b"\\udfff"[..]),
+            Just(&b"\xed\xa0\x80"[..]),
+            Just(&b"\"op\""[..]),
+            Just(&b"\"run\""[..]),
+            Just(&b"\"id\""[..]),
+            Just(&b"\"env\""[..]),
+            Just(&b"null"[..]),
+            Just(&b"1e999999"[..]),
+            Just(&b"-0"[..]),
+            Just(&b"123456789012345678901234567890"[..]),
+            Just(&b" "[..]),
+            Just(&b"\0"[..]),
+        ];
+        prop::collection::vec(token, 0..200).prop_map(|tokens| tokens.concat())
+    }
+
+    proptest! {
+        #![proptest_config(config(2000))]
+
+        #[test]
+        fn arbitrary_bytes_never_panic(line in prop::collection::vec(any::<u8>(), 0..2048)) {
+            check(&line);
+        }
+
+        #[test]
+        fn json_token_soup_never_panics(line in soup()) {
+            check(&line);
+        }
+
+        #[test]
+        fn any_request_object_is_served_or_refused(request in request()) {
+            check(request.to_string().as_bytes());
+        }
+
+        #[test]
+        fn the_depth_scan_agrees_with_a_parse(value in value(), limit in 0usize..10) {
+            let text = value.to_string();
+            prop_assert_eq!(nested_deeper_than(text.as_bytes(), limit), depth(&value) > limit);
+        }
+
+    }
+
+    proptest! {
+        // Lines of up to 200 kB: fewer cases, the same seconds.
+        #![proptest_config(config(300))]
+
+        #[test]
+        fn deep_nesting_is_refused_past_the_limit_and_only_there(
+            levels in 0usize..3000,
+            object in any::<bool>(),
+            place in 0usize..3,
+        ) {
+            let (open, close) = if object { (r#"{"a":"#, "}") } else { ("[", "]") };
+            let deep = format!("{}1{}", open.repeat(levels), close.repeat(levels));
+            let field = ["id", "kwargs", "call_id"][place];
+            let line = format!(r#"{{"op":"run","flow":"f","node":"n","{field}":{deep}}}"#);
+            check(line.as_bytes());
+            let parsed = parse_request(line.as_bytes());
+            if levels + 1 > MAX_NESTING {
+                let refusal = parsed.unwrap_err();
+                prop_assert!(refusal.id.is_none());
+                prop_assert!(refusal.message.contains("512 levels deep"), "{}", refusal.message);
+            } else {
+                prop_assert!(parsed.is_ok());
+            }
+        }
+
+        #[test]
+        fn long_strings_and_surrogates_never_panic(
+            length in 0usize..200_000,
+            escape in prop_oneof![Just("\\ud800"), Just("\\udc00"), Just("\\ud83d\\ude00"), Just("\\u0000"), Just("x")],
+            field in prop_oneof![Just("id"), Just("call_id"), Just("source"), Just("flow"), Just("env")],
+        ) {
+            let text = format!("{}{escape}", "[".repeat(length % 7) + &"y".repeat(length));
+            let line = format!(r#"{{"op":"run","flow":"f","node":"n","{field}":"{text}"}}"#);
+            check(line.as_bytes());
+        }
+    }
+
+    /// Why the scan is needed: serde_json's limit of 128 does not apply to
+    /// a raw value, which is how `id` and `kwargs` are kept.
+    #[test]
+    fn serde_json_reads_a_raw_value_at_any_depth() {
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(serde_json::from_str::<Box<RawValue>>(&deep).is_ok());
+        assert!(serde_json::from_str::<serde_json::Value>(&deep).is_err());
+        let line = format!(r#"{{"op":"run","flow":"f","node":"n","id":{deep}}}"#);
+        let refusal = parse_request(line.as_bytes()).unwrap_err();
+        assert!(refusal.id.is_none());
+        assert!(refusal.message.contains("flatter"), "{}", refusal.message);
+    }
+
+    #[test]
+    fn brackets_in_strings_do_not_count() {
+        let line = format!(
+            r#"{{"op":"run","flow":"f","node":"n","id":"{}\"{}"}}"#,
+            "[".repeat(1000),
+            "{".repeat(1000)
+        );
+        assert_eq!(parse_request(line.as_bytes()).unwrap().id.get().len(), 2004);
+        // An escaped quote does not end a string; an escaped backslash
+        // before a quote does.
+        assert!(!nested_deeper_than(br#"["\"[[[" ]"#, 2));
+        assert!(nested_deeper_than(br#"["\\" [[ ]]]"#, 2));
+    }
+
+    #[test]
+    fn the_worker_contract_ignores_env_and_the_link_applies_it() {
+        let line = br#"{"op":"run","flow":"f","node":"n","env":{"A":"1","B":2}}"#;
+        assert_eq!(
+            parse_request(line).unwrap().env,
+            vec![
+                ("A".to_string(), "1".to_string()),
+                ("B".to_string(), "2".to_string())
+            ]
+        );
+        assert!(parse_worker_request(line).unwrap().env.is_empty());
+        // worker_main.py never looks at it, so no shape of it is refused.
+        let bad = br#"{"op":"run","flow":"f","node":"n","env":5}"#;
+        assert!(parse_request(bad).is_err());
+        assert!(parse_worker_request(bad).unwrap().env.is_empty());
     }
 }

@@ -311,10 +311,7 @@ fn ended_reply(
             format!("the node process was cancelled ({end})"),
         )
     } else {
-        (
-            protocol::ENDED_WITHOUT_REPLY,
-            format!("the node process {end} before it replied"),
-        )
+        (end.error_type(), end.ended_message())
     };
     protocol::failure_reply(id, call_id, kind, &message, logs)
 }

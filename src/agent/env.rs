@@ -2,16 +2,10 @@
 
 use std::collections::BTreeMap;
 
-/// Environment node code is not given: the engine's own lists. `SECRET_KEY`
-/// decrypts every stored secret; a `*_TOKEN` is somebody's credential.
-const DENY_PREFIXES: [&str; 3] = ["DATABASE_URL", "FIRST_SUPERUSER", "SENTRY_DSN"];
-const DENY_WORDS: [&str; 3] = ["PASSWORD", "SECRET", "TOKEN"];
-
-/// Whether `key` may reach node code.
+/// Whether `key` may reach node code: no credential
+/// ([`crate::artifacts::is_credential`], the engine's own list).
 pub fn allowed(key: &str) -> bool {
-    let upper = key.to_uppercase();
-    !DENY_PREFIXES.iter().any(|p| key.starts_with(p))
-        && !DENY_WORDS.iter().any(|w| upper.contains(w))
+    !crate::artifacts::is_credential(key)
 }
 
 /// This host's environment with its credentials taken out, plus where the

@@ -188,6 +188,9 @@ pub fn run(options: AgentOptions) -> ExitCode {
     // command line, no longer holds it.
     crate::artifacts::hide_variable(WORKER_TOKEN_ENV);
     crate::artifacts::hide_argument("--token");
+    // Nor any other credential of the host's: node code is never given
+    // them, and could read them here (`/proc/<agent>/environ`) otherwise.
+    crate::artifacts::hide_credentials();
     let tls = match tls::client_config(options.ca_cert.as_deref()) {
         Ok(tls) => tls,
         Err(why) => {
@@ -195,6 +198,15 @@ pub fn run(options: AgentOptions) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Services are contained as calls are (their own cgroup, a warden that
+    // ends them if this process is killed); set up before any thread.
+    if let Err(why) = crate::containment::establish(
+        crate::containment::Role::Agent,
+        &crate::containment::Options::default(),
+    ) {
+        eprintln!("fluksio-zygote agent: {why}");
+        return ExitCode::from(2);
+    }
     // One thread: enough for sockets and pipes, and what a service is
     // started from (its parent-death signal follows the starting thread).
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -228,6 +240,7 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
         launch: Launch {
             python: options.zygote.python.clone(),
             preload: options.zygote.preload.clone(),
+            memory_limit_mib: options.zygote.containment.memory_limit_mib,
             env: node_env
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))

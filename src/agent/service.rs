@@ -127,10 +127,20 @@ async fn run(
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::from(output_write))
         .stderr(std::process::Stdio::from(stderr_write));
+    // Everything the service starts stays in its cell, whatever session it
+    // makes: ended with it, or by the warden if the agent is killed.
+    let cell = match crate::containment::Cell::new() {
+        Ok(cell) => cell,
+        Err(error) => return format!("OSError: could not make the service's cgroup: {error}"),
+    };
+    let (procs, _) = cell.procs_fds();
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         let agent_pid = libc::getpid();
         command.pre_exec(move || {
+            if let Some(fd) = procs {
+                libc::write(fd, b"0".as_ptr().cast(), 1);
+            }
             libc::setsid();
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
             if libc::getppid() != agent_pid {
@@ -162,6 +172,7 @@ async fn run(
             () = exit.exited(), if !open => break,
             _ = &mut stop => {
                 stop_group(pid, &mut exit, &mut child).await;
+                cell.kill();
                 return "the service was stopped".into();
             }
         }
@@ -172,6 +183,7 @@ async fn run(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
     );
+    cell.kill();
     let status = child.wait().await.ok();
     let code = status.and_then(|s| {
         s.code()

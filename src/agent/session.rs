@@ -19,6 +19,7 @@ use tokio_tungstenite::tungstenite::{self, Message};
 
 use super::call::{self, Running, text_of};
 use super::{Agent, service};
+use crate::protocol;
 
 /// WebSocket pings, so a dead connection is noticed and proxies keep it.
 const PING_EVERY: Duration = Duration::from_secs(20);
@@ -300,21 +301,86 @@ async fn connect(
     }
 }
 
+/// What one text frame from the engine asks for.
+#[derive(Debug)]
+enum Incoming {
+    /// A `run` or `compile`.
+    Call {
+        call_id: String,
+        message: BTreeMap<String, Box<RawValue>>,
+    },
+    Serve {
+        call_id: String,
+        message: BTreeMap<String, Box<RawValue>>,
+    },
+    Cancel(String),
+    /// Answered here with this reply line, nothing run: a call nested
+    /// deeper than [`protocol::MAX_NESTING`].
+    Refused {
+        call_id: String,
+        reply: Vec<u8>,
+    },
+    /// Logged and dropped: not a JSON object, or a frame too deep that
+    /// names no call to answer.
+    Unreadable(&'static str),
+    /// An op this agent does not serve: dropped, as agent.py drops it.
+    Ignored,
+}
+
+/// Reads one frame. Never runs anything, so the fuzz tests drive it alone.
+///
+/// A frame nested deeper than [`protocol::MAX_NESTING`] is refused before
+/// anything of it is used: a `run`, `compile` or `serve` with a `call_id`
+/// gets a `ProtocolError` reply (`id` null, the `id` may be the deep part)
+/// so the engine's call ends; any other is ignored like an unreadable one.
+fn decode(text: &str) -> Incoming {
+    let too_deep = protocol::nested_deeper_than(text.as_bytes(), protocol::MAX_NESTING);
+    // serde_json reads raw values without recursing, so even a frame too
+    // deep parses here without blowing the stack; only its top level is kept.
+    let Ok(message) = serde_json::from_str::<BTreeMap<String, Box<RawValue>>>(text) else {
+        return Incoming::Unreadable(if too_deep {
+            "ignored a message nested too deep to read"
+        } else {
+            "ignored a message that is not a JSON object"
+        });
+    };
+    let call_id = text_of(message.get("call_id").map(|r| &**r));
+    let op = text_of(message.get("op").map(|r| &**r));
+    if too_deep {
+        if call_id.is_empty() || !matches!(op.as_str(), "run" | "compile" | "serve") {
+            return Incoming::Unreadable("ignored a message nested too deep, naming no call");
+        }
+        let refusal = protocol::too_deep();
+        let reply = protocol::failure_reply(
+            protocol::null(),
+            &call_id,
+            "ProtocolError",
+            &refusal.message,
+            "",
+        );
+        return Incoming::Refused { call_id, reply };
+    }
+    match op.as_str() {
+        "run" | "compile" => Incoming::Call { call_id, message },
+        "serve" => Incoming::Serve { call_id, message },
+        "cancel" => Incoming::Cancel(call_id),
+        _ => Incoming::Ignored,
+    }
+}
+
 /// One message from the engine: a call starts, a cancel lands, the rest
 /// is ignored.
 fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>, text: &str) {
-    let Ok(message) = serde_json::from_str::<BTreeMap<String, Box<RawValue>>>(text) else {
-        tracing::warn!("ignored a message that is not a JSON object");
-        return;
-    };
-    let call_id = text_of(message.get("call_id").map(|r| &**r));
     // Registered before the task first runs: a cancel right behind the call,
     // or the socket dropping, must find it.
-    let key = session
-        .next_key
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    match text_of(message.get("op").map(|r| &**r)).as_str() {
-        "run" | "compile" => {
+    let key = || {
+        session
+            .next_key
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    };
+    match decode(text) {
+        Incoming::Call { call_id, message } => {
+            let key = key();
             session
                 .running
                 .lock()
@@ -328,7 +394,8 @@ fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>,
                 message,
             ));
         }
-        "serve" => {
+        Incoming::Serve { call_id, message } => {
+            let key = key();
             let (stop, stopped) = oneshot::channel();
             session
                 .services
@@ -344,7 +411,123 @@ fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>,
                 stopped,
             ));
         }
-        "cancel" => session.cancel(&call_id),
-        _ => {}
+        Incoming::Cancel(call_id) => session.cancel(&call_id),
+        Incoming::Refused { call_id, reply } => {
+            tracing::warn!(call = %call_id, "refused a call nested too deep");
+            let session = Arc::clone(session);
+            calls.spawn(async move { session.send_raw(&reply).await });
+        }
+        Incoming::Unreadable(why) => tracing::warn!("{why}"),
+        Incoming::Ignored => {}
+    }
+}
+
+/// The engine's frames under attack: whatever one holds, `decode` answers
+/// without a panic, and what it refuses it answers as one line of JSON.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::protocol::fuzz::{config, soup, value};
+    use proptest::prelude::*;
+
+    fn check(text: &str) -> Incoming {
+        let incoming = decode(text);
+        let deep = protocol::nested_deeper_than(text.as_bytes(), protocol::MAX_NESTING);
+        match &incoming {
+            Incoming::Call { .. } | Incoming::Serve { .. } | Incoming::Cancel(_) => {
+                assert!(!deep, "a frame too deep was served");
+            }
+            Incoming::Refused { call_id, reply } => {
+                assert!(deep);
+                assert!(!call_id.is_empty());
+                assert_eq!(reply.last(), Some(&b'\n'));
+                assert!(!reply[..reply.len() - 1].contains(&b'\n'), "one line");
+                let reply: serde_json::Value = serde_json::from_slice(reply).unwrap();
+                assert_eq!(reply["call_id"], call_id.as_str());
+                assert_eq!(reply["id"], serde_json::Value::Null);
+                assert_eq!(reply["error"]["type"], "ProtocolError");
+            }
+            Incoming::Unreadable(_) | Incoming::Ignored => {}
+        }
+        incoming
+    }
+
+    fn frame() -> impl Strategy<Value = serde_json::Value> {
+        let key = prop_oneof![
+            Just("op".to_string()),
+            Just("id".to_string()),
+            Just("call_id".to_string()),
+            Just("env".to_string()),
+            Just("argv".to_string()),
+            Just("weights".to_string()),
+            Just("kwargs".to_string()),
+            any::<String>(),
+        ];
+        let field = prop_oneof![
+            Just(serde_json::json!("run")),
+            Just(serde_json::json!("compile")),
+            Just(serde_json::json!("serve")),
+            Just(serde_json::json!("cancel")),
+            Just(serde_json::json!("c1")),
+            value(),
+        ];
+        prop::collection::btree_map(key, field, 0..8)
+            .prop_map(|m| serde_json::Value::Object(m.into_iter().collect()))
+    }
+
+    proptest! {
+        #![proptest_config(config(2000))]
+
+        #[test]
+        fn arbitrary_text_never_panics(text in any::<String>()) {
+            check(&text);
+        }
+
+        #[test]
+        fn json_token_soup_never_panics(bytes in soup()) {
+            check(&String::from_utf8_lossy(&bytes));
+        }
+
+        #[test]
+        fn any_frame_object_is_decoded(frame in frame()) {
+            check(&frame.to_string());
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config(300))]
+
+        #[test]
+        fn a_frame_too_deep_is_refused_where_it_names_a_call(
+            levels in 0usize..3000,
+            op in prop_oneof![Just("run"), Just("compile"), Just("serve"), Just("cancel"), Just("other")],
+            field in prop_oneof![Just("id"), Just("kwargs"), Just("env"), Just("call_id")],
+        ) {
+            let deep = format!("{}1{}", "[".repeat(levels), "]".repeat(levels));
+            let text = format!(r#"{{"op":"{op}","call_id":"c1","{field}":{deep}}}"#);
+            let incoming = check(&text);
+            let too_deep = levels + 1 > protocol::MAX_NESTING;
+            match incoming {
+                Incoming::Refused { .. } => {
+                    prop_assert!(too_deep && op != "cancel" && op != "other" && field != "call_id");
+                }
+                Incoming::Unreadable(_) => prop_assert!(too_deep),
+                Incoming::Ignored => prop_assert_eq!(op, "other"),
+                Incoming::Cancel(_) => prop_assert!(!too_deep && op == "cancel"),
+                Incoming::Call { .. } | Incoming::Serve { .. } => prop_assert!(!too_deep),
+            }
+        }
+    }
+
+    #[test]
+    fn a_call_too_deep_is_answered_with_its_call_id() {
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        let text = format!(r#"{{"op":"run","call_id":"c7","id":{deep},"flow":"f","node":"n"}}"#);
+        let Incoming::Refused { call_id, reply } = decode(&text) else {
+            panic!("not refused");
+        };
+        assert_eq!(call_id, "c7");
+        let reply = String::from_utf8(reply).unwrap();
+        assert!(reply.contains("512 levels deep"), "{reply}");
     }
 }

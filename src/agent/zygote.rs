@@ -23,6 +23,8 @@ use crate::link::{Frame, Received, Receiver};
 pub struct Launch {
     pub python: PathBuf,
     pub preload: Vec<String>,
+    /// Each call's memory limit, MiB.
+    pub memory_limit_mib: Option<u64>,
     /// Node code's environment (the host's, credentials taken out).
     pub env: Vec<(String, String)>,
     /// The worker's token, for the artifact store; the zygote takes it out
@@ -62,6 +64,9 @@ impl Zygote {
             .arg(&launch.python);
         if !launch.preload.is_empty() {
             command.arg("--preload").arg(launch.preload.join(","));
+        }
+        if let Some(mib) = launch.memory_limit_mib {
+            command.arg("--call-memory-limit").arg(mib.to_string());
         }
         command
             .env_clear()

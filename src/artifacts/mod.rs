@@ -23,7 +23,8 @@ use std::time::Duration;
 
 pub use digest::{DIGEST_RULE, Digest};
 pub use token::{
-    TOKEN_ENV, hide_argument, hide_variable, reinstate_token_for, take_token, use_token,
+    TOKEN_ENV, hide_argument, hide_credentials, hide_variable, is_credential, reinstate_token_for,
+    take_token, use_token,
 };
 
 pub const DIR_ENV: &str = "FLUKSIO_ARTIFACT_DIR";

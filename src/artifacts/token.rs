@@ -15,12 +15,42 @@ pub const TOKEN_ENV: &str = "FLUKSIO_ARTIFACT_TOKEN";
 
 static TOKEN: OnceLock<Option<String>> = OnceLock::new();
 
-/// Takes the token out of the environment. Call once, first thing, while
-/// the process has one thread.
+/// Takes the token out of the environment, and every other credential
+/// with it (see [`is_credential`]). Call once, first thing, while the
+/// process has one thread.
 pub fn take_token() {
     let token = std::env::var(TOKEN_ENV).ok().filter(|t| !t.is_empty());
     hide_variable(TOKEN_ENV);
     let _ = TOKEN.set(token);
+    hide_credentials();
+}
+
+/// Environment node code is never given: the engine's own lists. `SECRET_KEY`
+/// decrypts every stored secret; a `*_TOKEN` is somebody's credential.
+const DENY_PREFIXES: [&str; 3] = ["DATABASE_URL", "FIRST_SUPERUSER", "SENTRY_DSN"];
+const DENY_WORDS: [&str; 3] = ["PASSWORD", "SECRET", "TOKEN"];
+
+/// Whether `key` names a credential: it starts with `DATABASE_URL`,
+/// `FIRST_SUPERUSER` or `SENTRY_DSN`, or holds `PASSWORD`, `SECRET` or
+/// `TOKEN` in any case. agent.py's list, applied in every mode.
+pub fn is_credential(key: &str) -> bool {
+    let upper = key.to_uppercase();
+    DENY_PREFIXES.iter().any(|p| key.starts_with(p)) || DENY_WORDS.iter().any(|w| upper.contains(w))
+}
+
+/// Takes every credential out of this process's environment and overwrites
+/// its value in `/proc/self/environ`: the engine's pool starts its workers
+/// with the engine's own environment (`DATABASE_URL`, `SECRET_KEY`, …),
+/// which a node must not read, in `worker` mode as under the agent. Call
+/// while the process has one thread.
+pub fn hide_credentials() {
+    let keys: Vec<String> = std::env::vars_os()
+        .filter_map(|(key, _)| key.into_string().ok())
+        .filter(|key| is_credential(key))
+        .collect();
+    for key in keys {
+        hide_variable(&key);
+    }
 }
 
 /// Removes `name` from the environment and overwrites its value where

@@ -62,7 +62,27 @@ impl LogBuffer {
             return Err(std::io::Error::last_os_error());
         }
         let base = NonNull::new(base.cast::<Header>()).expect("mmap never returns null");
+        MAPPED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(base.as_ptr() as usize);
         Ok(LogBuffer { base })
+    }
+
+    /// In a freshly forked child: unmaps every log buffer but this one. A
+    /// child that kept them could read what other calls print, through
+    /// `/proc/self/mem`, and forge it.
+    pub fn unmap_all_others(&self) {
+        let mapped = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
+        for &base in mapped.iter() {
+            if base != self.base.as_ptr() as usize {
+                // SAFETY: every address in MAPPED is a live mapping of
+                // MAPPING_BYTES made by `new`; this child never touches the
+                // other buffers (their owners are the zygote's structures,
+                // which the child leaves with `_exit`, never dropping them).
+                unsafe { libc::munmap(base as *mut libc::c_void, MAPPING_BYTES) };
+            }
+        }
     }
 
     /// (bytes, chars) written so far.
@@ -87,7 +107,14 @@ impl LogBuffer {
         unsafe { self.base.as_ptr().add(1).cast::<u8>() }
     }
 
+    /// Empties the buffer for its next call. The bytes are zeroed, not
+    /// just forgotten: the next call's child maps this buffer, and must not
+    /// find what the last call printed.
     pub fn clear(&self) {
+        let written = self.counts().0.min(DATA_BYTES);
+        // SAFETY: `written` bytes from the start of the data area are inside
+        // the mapping; no child writes a buffer the zygote is clearing.
+        unsafe { std::ptr::write_bytes(self.data(), 0, written) };
         self.set_counts(0, 0);
     }
 
@@ -139,10 +166,17 @@ impl Drop for LogBuffer {
             Ordering::SeqCst,
             Ordering::SeqCst,
         );
+        MAPPED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|&base| base != self.base.as_ptr() as usize);
         // SAFETY: the mapping was made in `new` with this size.
         unsafe { libc::munmap(self.base.as_ptr().cast(), MAPPING_BYTES) };
     }
 }
+
+/// Every log buffer this process has mapped, by address.
+static MAPPED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
 
 /// Where captures in this process write now; null drops what they get.
 static TARGET: AtomicPtr<Header> = AtomicPtr::new(std::ptr::null_mut());

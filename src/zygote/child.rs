@@ -17,7 +17,9 @@
 use std::io::Read;
 use std::os::fd::{FromRawFd, RawFd};
 
-use pyo3::exceptions::{PyRecursionError, PySyntaxError, PySystemExit, PyTypeError, PyValueError};
+use pyo3::exceptions::{
+    PyMemoryError, PyRecursionError, PySyntaxError, PySystemExit, PyTypeError, PyValueError,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 use serde_json::value::RawValue;
@@ -564,6 +566,25 @@ fn describe<'py>(py: Python<'py>, error: &PyErr) -> PyResult<Bound<'py, PyDict>>
     let message = match exception.str() {
         Ok(message) => message.into_any(),
         Err(_) => PyString::new(py, "<exception str() failed>").into_any(),
+    };
+    // Under the rlimit fallback a call over its memory limit sees its
+    // allocations fail: the reply says which limit.
+    let message = match crate::containment::rlimit_in_force() {
+        Some(mib) if error.is_instance_of::<PyMemoryError>(py) => PyString::new(
+            py,
+            &match message.str()?.to_string_lossy() {
+                what if what.is_empty() => format!(
+                    "the node exceeded the call's memory limit of {mib} MiB; raise \
+                     --call-memory-limit, or use less memory"
+                ),
+                what => format!(
+                    "the node exceeded the call's memory limit of {mib} MiB ({what}); raise \
+                     --call-memory-limit, or use less memory"
+                ),
+            },
+        )
+        .into_any(),
+        _ => message,
     };
     let traceback = py.import("traceback")?;
     let frames = traceback

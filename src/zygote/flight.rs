@@ -16,7 +16,8 @@ use nix::unistd::Pid;
 
 use super::capture::LogBuffer;
 use super::plumbing;
-use crate::process::{self, ExitWatch, Reaped};
+use crate::containment::Cell;
+use crate::process::{self, ChildEnd, ExitWatch, Reaped};
 use crate::protocol;
 
 /// Where a call's lines go as they are read.
@@ -40,14 +41,17 @@ pub struct Flight {
     pending: Vec<u8>,
     replied: bool,
     logs: Option<LogBuffer>,
+    cell: Option<Cell>,
     pub started: Instant,
 }
 
-/// A child killed with its session and not yet reaped.
+/// A child killed with its cell and not yet reaped. Its cell goes back
+/// once it is reaped (dropping it checks it is empty).
 pub struct Landing {
     pub pid: Pid,
     pub exit: ExitWatch,
     pub logs: LogBuffer,
+    pub cell: Cell,
 }
 
 /// A reaped call.
@@ -56,10 +60,12 @@ pub struct Landed {
     /// Whether the child sent its reply before it ended.
     pub replied: bool,
     pub logs: LogBuffer,
+    /// Given back when the landed call is dropped.
+    pub cell: Cell,
 }
 
 impl Flight {
-    pub fn new(pid: Pid, pipe: OwnedFd, logs: LogBuffer, started: Instant) -> Flight {
+    pub fn new(pid: Pid, pipe: OwnedFd, logs: LogBuffer, cell: Cell, started: Instant) -> Flight {
         Flight {
             pid,
             pipe: Some(pipe),
@@ -67,7 +73,16 @@ impl Flight {
             pending: Vec::new(),
             replied: false,
             logs: Some(logs),
+            cell: Some(cell),
             started,
+        }
+    }
+
+    /// Kills everything the call started: its session and its cell.
+    fn kill_all(&self) {
+        process::kill_group(self.pid, Signal::SIGKILL);
+        if let Some(cell) = &self.cell {
+            cell.kill();
         }
     }
 
@@ -152,8 +167,14 @@ impl Flight {
             }
             self.close_pipe();
         }
-        process::kill_group(self.pid, Signal::SIGKILL);
-        let reaped = process::reap(self.pid)?;
+        self.kill_all();
+        let mut reaped = process::reap(self.pid)?;
+        let cell = self.cell.take().expect("a flight lands once");
+        if reaped.end == ChildEnd::Signaled(Signal::SIGKILL)
+            && let Some(limit) = cell.exceeded_memory_limit()
+        {
+            reaped.end = ChildEnd::OverMemoryLimit(limit);
+        }
         tracing::debug!(
             pid = self.pid.as_raw(),
             user_ms = reaped.user_time.as_millis() as u64,
@@ -166,6 +187,7 @@ impl Flight {
             reaped,
             replied: self.replied,
             logs: self.logs.take().expect("a flight lands once"),
+            cell,
         })
     }
 
@@ -208,12 +230,13 @@ impl Flight {
     /// child, about to exit anyway, and whatever it started); the pid, not
     /// yet reaped, and the log buffer come back for a later reap.
     pub fn abandon(mut self) -> Landing {
-        process::kill_group(self.pid, Signal::SIGKILL);
+        self.kill_all();
         self.close_pipe();
         Landing {
             pid: self.pid,
             exit: std::mem::replace(&mut self.exit, ExitWatch::none()),
             logs: self.logs.take().expect("a flight lands once"),
+            cell: self.cell.take().expect("a flight lands once"),
         }
     }
 }

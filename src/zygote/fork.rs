@@ -120,6 +120,7 @@ pub fn fork(_py: Python<'_>) -> std::io::Result<Forked> {
         if pid < 0 {
             return Err(error);
         }
+        crate::containment::strays::remember(pid);
         let safe =
             THREADS_AT_FORK.load(Ordering::SeqCst) <= TOLERATED_AT_FORK.load(Ordering::SeqCst);
         Ok(Forked::Parent {

@@ -49,6 +49,8 @@ pub struct ZygoteOptions {
     pub python: PathBuf,
     /// Modules imported once, before the first fork.
     pub preload: Vec<String>,
+    /// What each call's child is contained in.
+    pub containment: crate::containment::Options,
 }
 
 /// Why a zygote did not start. Each is printed as is, and exits 2.
@@ -62,6 +64,7 @@ pub enum StartupError {
         python: PathBuf,
     },
     Python(String),
+    Containment(crate::containment::ContainmentError),
 }
 
 impl std::fmt::Display for StartupError {
@@ -80,6 +83,7 @@ impl std::fmt::Display for StartupError {
                 python.display()
             ),
             StartupError::Python(e) => write!(f, "the zygote could not set itself up: {e}"),
+            StartupError::Containment(e) => e.fmt(f),
         }
     }
 }
@@ -95,8 +99,13 @@ impl From<PyErr> for StartupError {
 /// Starts CPython on this thread. Call once, first, on the thread that will
 /// fork; afterwards use `Python::attach` as usual.
 pub fn boot(options: &ZygoteOptions) -> Result<(), StartupError> {
+    plumbing::claim_inherited();
     fork::install_census();
     crate::artifacts::take_token();
+    // Before the interpreter: the warden is spawned while this process
+    // still has one thread.
+    crate::containment::establish(crate::containment::Role::Zygote, &options.containment)
+        .map_err(StartupError::Containment)?;
     let config = InterpreterConfig {
         python: options.python.clone(),
     };

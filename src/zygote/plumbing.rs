@@ -1,13 +1,16 @@
-//! The zygote's own file descriptors, which no call's child may keep.
+//! The zygote's own file descriptors and shared mappings, which no call's
+//! child may keep.
 //!
-//! The request and reply streams of `worker` mode, the pipes of other calls
-//! in flight: a child that held one could read another call's request, write
-//! into another call's reply, or keep a pipe open after its reader expects
-//! EOF. They are close-on-exec already, which covers a node's `subprocess`;
-//! this covers the fork itself. Fds the zygote's Python code opened (a
-//! preloaded module's file, say) are not ours and are left alone.
+//! The request and reply streams of `worker` mode, the pipes, pidfds and
+//! wake-up calls of other calls, the cgroup files of other cells, the log
+//! buffers of other calls: a child that held one could read another call's
+//! request, write into another call's reply, kill another call through its
+//! pidfd, or read and forge what another call printed. They are
+//! close-on-exec already, which covers a node's `subprocess`; this covers
+//! the fork itself. Fds the zygote's Python code opened (a compiled node's
+//! module-level `open`, say) are the node's, and are left alone.
 
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Mutex;
 
 static OURS: Mutex<Vec<RawFd>> = Mutex::new(Vec::new());
@@ -24,11 +27,69 @@ pub fn forget(fd: RawFd) {
         .retain(|&f| f != fd);
 }
 
+/// Claims every fd this process was started with beyond stdio (a build
+/// tool's jobserver pipe, whatever its parent leaked): they are its
+/// parent's business, never a node's. Call first, before anything opens.
+pub fn claim_inherited() {
+    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let open: Vec<RawFd> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    for fd in open {
+        // The directory being read is one of them; it is closed by now.
+        // SAFETY: F_GETFD only asks whether the fd is open.
+        if fd > 2 && unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0 {
+            claim(fd);
+        }
+    }
+}
+
 /// In a freshly forked child: closes every fd the zygote claimed.
 pub fn close_in_child() {
     let ours = OURS.lock().unwrap_or_else(|e| e.into_inner());
     for &fd in ours.iter() {
         // SAFETY: in the child these are copies nobody else uses.
         unsafe { libc::close(fd) };
+    }
+}
+
+/// An fd that is the zygote's own for as long as it is open: claimed when
+/// made, forgotten just before it is closed.
+#[derive(Debug)]
+pub struct Claimed(OwnedFd);
+
+impl Claimed {
+    pub fn new(fd: OwnedFd) -> Claimed {
+        claim(fd.as_raw_fd());
+        Claimed(fd)
+    }
+
+    /// Back to a plain fd, no longer claimed (it is being handed over).
+    pub fn release(self) -> OwnedFd {
+        let this = std::mem::ManuallyDrop::new(self);
+        forget(this.0.as_raw_fd());
+        // SAFETY: `this` is never dropped, so the fd is moved out once.
+        unsafe { std::ptr::read(&this.0) }
+    }
+}
+
+impl AsFd for Claimed {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl AsRawFd for Claimed {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        forget(self.0.as_raw_fd());
     }
 }

@@ -28,6 +28,7 @@ use super::capture::LogBuffer;
 use super::child::{self, Assignment, Task};
 use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
 use super::{SpawnError, Zygote, fork, freeze_gc, plumbing};
+use crate::containment::Cell;
 use crate::process::{self, ExitWatch};
 use crate::protocol::{self, Request};
 
@@ -47,6 +48,8 @@ struct Standby {
     /// Its wake-up call (see `child::wait_for_call`).
     go: OwnedFd,
     logs: LogBuffer,
+    /// What everything it starts is contained in.
+    cell: Cell,
     /// The zygote's generation when it was forked.
     generation: u64,
 }
@@ -104,10 +107,12 @@ impl Children {
         plumbing::forget(standby.control.as_raw_fd());
         plumbing::forget(standby.lines.as_raw_fd());
         process::kill_group(standby.pid, Signal::SIGKILL);
+        standby.cell.kill();
         self.landing.push(Landing {
             pid: standby.pid,
             exit: ExitWatch::new(standby.pid),
             logs: standby.logs,
+            cell: standby.cell,
         });
     }
 
@@ -183,6 +188,7 @@ impl Zygote {
             lines,
             go,
             logs,
+            cell,
             ..
         } = standby;
         plumbing::forget(control.as_raw_fd());
@@ -192,7 +198,7 @@ impl Zygote {
         // A child that died before reading this is reported by its flight.
         let _ = child::send_assignment(&control, assignment);
         drop(control);
-        Ok(Flight::new(pid, lines, logs, Instant::now()))
+        Ok(Flight::new(pid, lines, logs, cell, Instant::now()))
     }
 
     /// Forks standby children up to [`STANDBY`]: one per call once full, so
@@ -220,15 +226,28 @@ impl Zygote {
         let (lines_read, lines_write) = pipe()?;
         let go = child::wake_up_call().map_err(SpawnError::Io)?;
         let logs = self.children.fresh_logs().map_err(SpawnError::Io)?;
+        let cell = match Cell::new() {
+            Ok(cell) => cell,
+            Err(error) => {
+                self.children.recycle(logs);
+                return Err(SpawnError::Io(error));
+            }
+        };
         freeze_gc(py);
         match fork::fork(py) {
             Ok(fork::Forked::Child) => {
+                // Contained before anything else runs; then nothing of any
+                // other call's (its pipes, pidfds, cells, log buffers) is
+                // left in reach.
+                cell.enter();
                 drop(control_write);
                 drop(lines_read);
                 plumbing::close_in_child();
+                logs.unmap_all_others();
                 fork::become_call_child(self.pid);
                 child::stand_by(py, &logs, self.loaded_functions());
                 child::wait_for_call(&go);
+                drop(go);
                 let assignment = child::receive(control_read.as_raw_fd());
                 drop(control_read);
                 let function = self.function_for(&assignment);
@@ -256,6 +275,7 @@ impl Zygote {
                     lines: lines_read,
                     go,
                     logs,
+                    cell,
                     generation: self.generation,
                 })
             }

@@ -1,0 +1,228 @@
+//! No call can see or touch another call or the runtime. Tried the way an
+//! attacker would, from inside a node while other calls run: list
+//! `/proc/self/fd` and `fdinfo`, signal every pidfd found, poke every
+//! eventfd, walk every shared mapping in `/proc/self/maps` through
+//! `/proc/self/mem`, looking for what another call printed and overwriting
+//! it. In `worker` mode, through the agent with `--parallel 2`, and in a
+//! sweep with `-j 3`.
+
+mod common;
+
+use common::agent::{Agent, WAIT};
+use common::engine::{Answer, Engine};
+use common::{Worker, run};
+use serde_json::{Value, json};
+
+/// What the victim prints, for the attacker to look for.
+const SECRET: &str = "victim-A-was-here-7d1c";
+
+/// The attacker: reports everything it could reach, and harms what it can.
+const ATTACKER: &str = r#"import os, signal
+SECRET = b"victim-A-was-here-7d1c"
+def attack():
+    found = {"fds": {}, "pidfds": [], "eventfds": [], "sockets": [], "shared": [],
+             "seen": 0, "forged": 0, "signalled": 0}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            info = open(f"/proc/self/fdinfo/{fd}").read()
+        except OSError:
+            continue
+        found["fds"][fd] = link
+        if "pidfd" in link:
+            found["pidfds"].append(info)
+            try:
+                signal.pidfd_send_signal(int(fd), signal.SIGKILL)
+                found["signalled"] += 1
+            except OSError:
+                pass
+        elif "eventfd" in link:
+            found["eventfds"].append(fd)
+            try:
+                os.write(int(fd), (1).to_bytes(8, "little"))
+            except OSError:
+                pass
+        elif link.startswith("socket:"):
+            found["sockets"].append(fd)
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        for line in open("/proc/self/maps"):
+            fields = line.split()
+            if fields[1][3] != "s":
+                continue
+            found["shared"].append(line.strip())
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                mem.seek(start)
+                data = mem.read(end - start)
+            except OSError:
+                continue
+            at = data.find(SECRET)
+            while at >= 0:
+                found["seen"] += 1
+                mem.seek(start + at)
+                mem.write(b"FORGED".ljust(len(SECRET), b"!"))
+                found["forged"] += 1
+                at = data.find(SECRET, at + 1)
+    return found
+"#;
+
+/// The victim: prints the secret, then waits until `release` exists.
+fn victim(release: &std::path::Path) -> String {
+    format!(
+        "import fluksio, os, time\ndef victim():\n    print({SECRET:?})\n    fluksio.emit(ready=True)\n    while not os.path.exists({release:?}):\n        time.sleep(0.01)\n    return 'A'\n",
+        release = release.display().to_string()
+    )
+}
+
+/// What an attacker must have found: its own stdio and reply pipe, one
+/// shared mapping (its own log buffer), nothing of anyone else's.
+fn assert_reached_nothing(found: &Value) {
+    assert_eq!(
+        found["pidfds"],
+        json!([]),
+        "a pidfd of another process: {found}"
+    );
+    assert_eq!(
+        found["eventfds"],
+        json!([]),
+        "another child's wake-up call: {found}"
+    );
+    assert_eq!(
+        found["sockets"],
+        json!([]),
+        "a socket of the runtime: {found}"
+    );
+    assert_eq!(
+        found["seen"], 0,
+        "another call's logs were readable: {found}"
+    );
+    assert_eq!(found["forged"], 0, "{found}");
+    assert_eq!(found["signalled"], 0, "{found}");
+    let writable: Vec<_> = found["shared"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m.as_str().unwrap().split_whitespace().nth(1) == Some("rw-s"))
+        .collect();
+    assert_eq!(
+        writable.len(),
+        1,
+        "only its own log buffer is shared writable: {found}"
+    );
+    let fds = found["fds"].as_object().unwrap();
+    let extra: Vec<_> = fds
+        .iter()
+        .filter(|(fd, _)| !["0", "1", "2"].contains(&fd.as_str()))
+        .collect();
+    assert_eq!(
+        extra.len(),
+        1,
+        "one fd beyond stdio, its reply pipe: {found}"
+    );
+    assert!(extra[0].1.as_str().unwrap().starts_with("pipe:"), "{found}");
+}
+
+fn assert_victim_untouched(reply: &Value) {
+    assert_eq!(reply["ok"], true, "the victim survived: {reply}");
+    assert_eq!(reply["result"], "A", "{reply}");
+    let logs = reply["logs"].as_str().unwrap();
+    assert!(
+        logs.contains(SECRET),
+        "its own logs, as it printed them: {reply}"
+    );
+    assert!(!logs.contains("FORGED"), "{reply}");
+}
+
+#[test]
+fn in_worker_mode_a_call_reaches_nothing_of_the_calls_before_it_or_the_worker() {
+    let dir = common::scratch("attack-worker");
+    let release = dir.join("release");
+    std::fs::write(&release, "").unwrap();
+    let mut worker = Worker::zygote(&[]);
+    let source = format!(
+        "{}\n{ATTACKER}\ndef process(role):\n    return victim() if role == 'victim' else attack()\n",
+        victim(&release)
+    );
+    for id in 0..3 {
+        let answer = worker.call(&run(id, "n", &source, json!({"role": "victim"})));
+        assert_victim_untouched(&answer.reply);
+    }
+    let reply = worker
+        .call(&run(9, "n", &source, json!({"role": "attacker"})))
+        .reply;
+    assert_reached_nothing(&reply["result"]);
+}
+
+#[test]
+fn through_the_agent_one_call_cannot_kill_or_forge_another_in_flight() {
+    let dir = common::scratch("attack-agent");
+    let release = dir.join("release");
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &["--parallel", "2"], &[]);
+    let connection = engine.next_connection(WAIT);
+    let call = |call_id: &str, source: String| json!({"op": "run", "id": call_id, "call_id": call_id, "flow": "f", "node": call_id, "source": source, "kwargs": {}});
+    connection.send(&call(
+        "victim",
+        format!(
+            "{}\ndef process():\n    return victim()\n",
+            victim(&release)
+        ),
+    ));
+    connection.until(WAIT, |m| m["event"] == "emit");
+    connection.send(&call(
+        "attacker",
+        format!("{ATTACKER}\ndef process():\n    return attack()\n"),
+    ));
+    let (_, attacked) = connection.reply("attacker", WAIT);
+    std::fs::write(&release, "").unwrap();
+    let (_, victim_reply) = connection.reply("victim", WAIT);
+    assert_reached_nothing(&attacked["result"]);
+    assert_victim_untouched(&victim_reply);
+}
+
+#[test]
+fn in_a_sweep_one_point_cannot_kill_or_forge_another_in_flight() {
+    let dir = common::scratch("attack-sweep");
+    let release = dir.join("release");
+    let node = dir.join("node.py");
+    std::fs::write(
+        &node,
+        format!(
+            "{}\n{ATTACKER}\nimport time\ndef process(x):\n    if x == 0:\n        return victim()\n    time.sleep(0.3)\n    found = attack()\n    open({:?}, 'w').close()\n    return found\n",
+            victim(&release),
+            release.display().to_string()
+        ),
+    )
+    .unwrap();
+    let output = std::process::Command::new(common::ZYGOTE)
+        .args([
+            "sweep",
+            node.to_str().unwrap(),
+            "--grid",
+            "x=0..2",
+            "-j",
+            "3",
+        ])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("the sweep runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let points: Vec<Value> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert_eq!(
+        points.len(),
+        3,
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for point in &points {
+        assert_eq!(point["ok"], true, "{point}");
+        if point["point"]["x"] == 0 {
+            assert_eq!(point["result"], "A", "the victim survived: {point}");
+        } else {
+            assert_reached_nothing(&point["result"]);
+        }
+    }
+}
