@@ -20,6 +20,7 @@ pub mod fluksio;
 pub mod link;
 pub mod process;
 pub mod protocol;
+pub mod scrub;
 pub mod sweep;
 pub mod worker;
 pub mod zygote;

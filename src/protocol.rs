@@ -40,7 +40,8 @@ pub struct Request {
     pub keep: bool,
     /// The keyword arguments as JSON text, decoded in the child.
     pub kwargs: Option<Box<RawValue>>,
-    /// Agent protocol only: environment for this call's process.
+    /// Agent protocol only: environment for this call's process (never
+    /// read off a worker-contract request: `parse_worker_request`).
     pub env: Vec<(String, String)>,
 }
 

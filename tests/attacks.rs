@@ -3,8 +3,10 @@
 //! `/proc/self/fd` and `fdinfo`, signal every pidfd found, poke every
 //! eventfd, walk every shared mapping in `/proc/self/maps` through
 //! `/proc/self/mem`, looking for what another call printed and overwriting
-//! it. In `worker` mode, through the agent with `--parallel 2`, and in a
-//! sweep with `-j 3`.
+//! it; and, since a child is a copy of the zygote's memory, freed heap
+//! included, search all of its own memory for what earlier calls were sent
+//! and returned. In `worker` mode, through the agent with `--parallel 2`,
+//! and in a sweep with `-j 3`.
 
 mod common;
 
@@ -224,5 +226,80 @@ fn in_a_sweep_one_point_cannot_kill_or_forge_another_in_flight() {
         } else {
             assert_reached_nothing(&point["result"]);
         }
+    }
+}
+
+/// Searches every readable page of its own memory for `needle` (sent
+/// masked, so the only copy the scan makes itself is skipped by address),
+/// and names the mappings it was found in.
+const MEMORY_SCAN: &str = r#"import ctypes
+def process(masked):
+    needle = bytes(b ^ 0x5A for b in bytes.fromhex(masked))
+    own = id(needle) + 32  # a bytes object's data follows its 32-byte header
+    buf = bytearray(1 << 20)
+    base = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    hits = []
+    with open("/proc/self/mem", "rb", buffering=0) as mem:
+        for line in open("/proc/self/maps"):
+            fields = line.split()
+            if "r" not in fields[1] or fields[-1] in ("[vvar]", "[vsyscall]"):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            at = start
+            while at < end:
+                want = min(len(buf), end - at)
+                try:
+                    mem.seek(at)
+                    got = mem.readinto(memoryview(buf)[:want])
+                except OSError:
+                    break
+                i = buf.find(needle, 0, got)
+                while i >= 0:
+                    if at + i != own and not base <= at + i < base + len(buf):
+                        hits.append(fields[-1] if len(fields) > 5 else "anonymous")
+                    i = buf.find(needle, i + 1, got)
+                # Overlap the chunks, so a needle across a boundary is found.
+                at += max(got - len(needle), 1) if got == want else want
+    return hits
+"#;
+
+fn masked(secret: &str) -> String {
+    secret
+        .bytes()
+        .map(|b| format!("{:02x}", b ^ 0x5A))
+        .collect()
+}
+
+#[test]
+fn no_call_finds_what_earlier_calls_were_sent_or_returned_anywhere_in_its_memory() {
+    let sent = format!("kwarg-secret-{}", std::process::id());
+    let returned = format!("result-secret-{}", std::process::id());
+    let victim = "def process(sent, returned):\n    return {'returned': returned, 'echo': sent}\n";
+    let mut worker = Worker::zygote(&[]);
+    for id in 0..3 {
+        let reply = worker
+            .call(&run(
+                id,
+                "victim",
+                victim,
+                json!({"sent": sent, "returned": returned}),
+            ))
+            .reply;
+        assert_eq!(reply["result"]["returned"], returned.as_str(), "{reply}");
+    }
+    for (id, secret) in [(10, &sent), (11, &returned)] {
+        let reply = worker
+            .call(&run(
+                id,
+                "scan",
+                MEMORY_SCAN,
+                json!({"masked": masked(secret)}),
+            ))
+            .reply;
+        assert_eq!(
+            reply["result"],
+            json!([]),
+            "an earlier call's {secret:?} is in a later call's memory: {reply}"
+        );
     }
 }

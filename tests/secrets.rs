@@ -187,8 +187,11 @@ fn sweep_mode_hides_the_token_and_the_credentials() {
     assert_no_marker(&all, "fluksio-zygote sweep");
 }
 
+/// Everything a process wrote, stdout and stderr together.
+type Output = Arc<Mutex<Vec<u8>>>;
+
 /// An agent with its token from the environment, as a batch job passes it.
-fn agent(url: &str) -> (Child, Arc<Mutex<Vec<u8>>>, Vec<JoinHandle<()>>) {
+fn agent(url: &str) -> (Child, Output, Vec<JoinHandle<()>>) {
     let mut child = Command::new(ZYGOTE)
         .args(["agent", "--url", url])
         .envs(secrets())
