@@ -153,6 +153,27 @@ struct ZygoteArgs {
     /// (cgroup memory where it can be made, else RLIMIT_DATA)
     #[arg(long, env = "FLUKSIO_CALL_MEMORY_LIMIT_MIB", value_name = "MiB")]
     call_memory_limit: Option<u64>,
+
+    /// Children kept forked and set up ahead of their calls: more absorbs bursts,
+    /// each costs a process (its page tables); 0 forks each call on demand
+    #[arg(long, env = "FLUKSIO_STANDBY", value_name = "N", default_value_t = 2)]
+    standby: usize,
+
+    /// `call`: a fresh child per call, nothing one call does is seen by the next.
+    /// `node`: one child per node serving its calls in turn, module state kept as in a
+    /// reused worker_main.py (replaced by a fresh fork after a crash or a source change)
+    #[arg(long, env = "FLUKSIO_ISOLATION", value_enum, default_value_t = IsolationArg::Call)]
+    isolation: IsolationArg,
+
+    /// With --isolation node: calls a node's child serves before a fresh fork replaces it
+    #[arg(long, env = "FLUKSIO_MAX_CALLS_PER_CHILD", value_name = "N")]
+    max_calls_per_child: Option<u64>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum IsolationArg {
+    Call,
+    Node,
 }
 
 impl ZygoteArgs {
@@ -168,6 +189,12 @@ impl ZygoteArgs {
                 .map(|m| m.trim().to_string())
                 .filter(|m| !m.is_empty())
                 .collect(),
+            standby: self.standby,
+            isolation: match self.isolation {
+                IsolationArg::Call => crate::zygote::resident::Isolation::Call,
+                IsolationArg::Node => crate::zygote::resident::Isolation::Node,
+            },
+            max_calls_per_child: self.max_calls_per_child.filter(|&n| n > 0),
             containment: crate::containment::Options {
                 memory_limit_mib: self.call_memory_limit.filter(|&mib| mib > 0),
             },

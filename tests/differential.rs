@@ -357,9 +357,9 @@ fn serve(mut worker: Worker, requests: &[Value]) -> Vec<Answer> {
     answers
 }
 
-fn check(case: &Case) -> Result<(), String> {
+fn check(case: &Case, args: &[&str]) -> Result<(), String> {
     let reference = serve(Worker::reference(), &case.requests);
-    let ours = serve(Worker::zygote(&[]), &case.requests);
+    let ours = serve(Worker::zygote(args), &case.requests);
     for (index, (theirs, ours)) in reference.into_iter().zip(ours).enumerate() {
         let loose =
             case.differs == Differs::RuntimeFramesInTraceback && theirs.reply["ok"] == false;
@@ -403,6 +403,17 @@ fn shorten(text: &str) -> String {
 
 #[test]
 fn every_case_matches_the_reference_field_for_field() {
+    every_case_matches(&[]);
+}
+
+/// With a child per node serving its calls in turn, as a reused
+/// `worker_main.py` does: the same replies.
+#[test]
+fn every_case_matches_the_reference_with_a_child_per_node() {
+    every_case_matches(&["--isolation", "node"]);
+}
+
+fn every_case_matches(args: &[&str]) {
     let cases = corpus();
     // Two at a time: each case starts a reference and a zygote of its own.
     let failures: Vec<String> = std::thread::scope(|scope| {
@@ -413,7 +424,11 @@ fn every_case_matches_the_reference_field_for_field() {
                 scope.spawn(move || {
                     chunk
                         .iter()
-                        .filter_map(|case| check(case).err().map(|e| format!("{}: {e}", case.name)))
+                        .filter_map(|case| {
+                            check(case, args)
+                                .err()
+                                .map(|e| format!("{}: {e}", case.name))
+                        })
                         .collect::<Vec<_>>()
                 })
             })

@@ -146,3 +146,103 @@ fn each_call_gets_the_gc_back_and_the_zygote_heap_stays_frozen() {
     // pages stay shared); a call collects its own garbage as usual.
     assert_eq!(reply["result"], json!([true, true]), "{reply}");
 }
+
+/// `--isolation node`: the calls of a node share one child, in turn, as a
+/// reused `worker_main.py` does; a crash, a source change or
+/// `--max-calls-per-child` costs a fork, never a cold start.
+mod a_child_per_node {
+    use super::*;
+
+    const COUNTER: &str = "import os\nseen = []\ndef process(x):\n    seen.append(x)\n    return [os.getpid(), list(seen)]\n";
+
+    fn call(worker: &mut Worker, id: i64, source: &str, x: i64) -> serde_json::Value {
+        worker
+            .call(&run(id, "counter", source, json!({"x": x})))
+            .reply
+    }
+
+    #[test]
+    fn keeps_module_state_between_the_calls_of_a_node() {
+        let mut worker = Worker::zygote(&["--isolation", "node"]);
+        let first = call(&mut worker, 1, COUNTER, 1);
+        let second = call(&mut worker, 2, COUNTER, 2);
+        assert_eq!(first["result"][1], json!([1]));
+        assert_eq!(second["result"][1], json!([1, 2]), "{second}");
+        assert_eq!(first["result"][0], second["result"][0], "one child");
+        let other = worker
+            .call(&run(
+                3,
+                "other",
+                "seen = []\ndef process():\n    seen.append(0)\n    return len(seen)\n",
+                json!({}),
+            ))
+            .reply;
+        assert_eq!(other["result"], 1, "each node has its own child: {other}");
+    }
+
+    #[test]
+    fn replaces_a_crashed_child_with_a_fresh_fork() {
+        let mut worker = Worker::zygote(&["--isolation", "node"]);
+        let source = "import os\nseen = []\ndef process(x):\n    seen.append(x)\n    if x == 'crash':\n        os._exit(3)\n    return [os.getpid(), len(seen)]\n";
+        let before = worker.call(&run(1, "c", source, json!({"x": 1}))).reply;
+        let crashed = worker
+            .call(&run(2, "c", source, json!({"x": "crash"})))
+            .reply;
+        assert!(
+            crashed["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("exited with code 3"),
+            "{crashed}"
+        );
+        let after = worker.call(&run(3, "c", source, json!({"x": 3}))).reply;
+        assert_eq!(
+            after["result"][1], 1,
+            "a fresh child, from the zygote's state: {after}"
+        );
+        assert_ne!(before["result"][0], after["result"][0]);
+    }
+
+    #[test]
+    fn a_new_source_gets_a_new_child() {
+        let mut worker = Worker::zygote(&["--isolation", "node"]);
+        call(&mut worker, 1, COUNTER, 1);
+        let changed = COUNTER.replace("return [", "return ['v2', ");
+        let reply = call(&mut worker, 2, &changed, 2);
+        assert_eq!(reply["result"][0], "v2");
+        assert_eq!(reply["result"][2], json!([2]), "{reply}");
+    }
+
+    #[test]
+    fn max_calls_per_child_retires_a_child_after_that_many_calls() {
+        let mut worker = Worker::zygote(&["--isolation", "node", "--max-calls-per-child", "2"]);
+        let pids: Vec<_> = (0..4)
+            .map(|x| call(&mut worker, x, COUNTER, x)["result"][0].clone())
+            .collect();
+        assert_eq!(pids[0], pids[1]);
+        assert_ne!(pids[1], pids[2]);
+        assert_eq!(pids[2], pids[3]);
+    }
+
+    #[test]
+    fn is_chosen_by_the_environment_for_the_pool() {
+        let mut worker = Worker::zygote_with(&[], &[("FLUKSIO_ISOLATION", "node")]);
+        call(&mut worker, 1, COUNTER, 1);
+        assert_eq!(call(&mut worker, 2, COUNTER, 2)["result"][1], json!([1, 2]));
+    }
+
+    #[test]
+    fn what_a_call_left_running_ends_with_its_child() {
+        let mut worker = Worker::zygote(&["--isolation", "node"]);
+        let source = "import subprocess\ndef process():\n    return subprocess.Popen(['sleep', '3600']).pid\n";
+        let leaked = worker.call(&run(1, "leak", source, json!({}))).reply["result"]
+            .as_i64()
+            .unwrap() as i32;
+        let (code, _) = worker.finish();
+        assert_eq!(code, Some(0));
+        assert!(
+            wait_gone(leaked, Duration::from_secs(10)),
+            "{leaked} outlived the worker"
+        );
+    }
+}

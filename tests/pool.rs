@@ -9,8 +9,20 @@ use std::process::Command;
 
 #[test]
 fn the_reference_pool_drops_the_binary_in_as_its_interpreter() {
+    drop_in(&[]);
+}
+
+/// The pool passes no flags: `FLUKSIO_ISOLATION=node` in its environment
+/// gives it a child per node, reused as its own workers are.
+#[test]
+fn the_reference_pool_drives_a_child_per_node_set_by_the_environment() {
+    drop_in(&[("FLUKSIO_ISOLATION", "node")]);
+}
+
+fn drop_in(env: &[(&str, &str)]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/pool_dropin.py");
     let output = Command::new(common::python())
+        .envs(env.iter().copied())
         .arg(script)
         .arg(common::ZYGOTE)
         .arg(common::reference_dir())

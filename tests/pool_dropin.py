@@ -142,6 +142,13 @@ def main():
         check("cancel: and the worker", gone(zygote), zygote)
         check("cancel of nothing -> False", pool.cancel("f.nothing", run_id="r1") is False)
 
+        counter = "seen = []\ndef process():\n    seen.append(1)\n    return len(seen)\n"
+        counts = [pool.run("f", "counter", counter, {}, "f.counter", 10) for _ in range(6)]
+        if os.environ.get("FLUKSIO_ISOLATION") == "node":
+            check("isolation node: module state kept, as a reused worker_main.py", max(counts) >= 2, repr(counts))
+        else:
+            check("isolation call: every call from the zygote's state", counts == [1] * 6, repr(counts))
+
         parent = "import os\ndef process():\n    return os.getppid()\n"
         before = {pool.run("f", "parent", parent, {}, "f.parent", 10) for _ in range(4)}
         pool.respawn_all()

@@ -241,6 +241,7 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
             python: options.zygote.python.clone(),
             preload: options.zygote.preload.clone(),
             memory_limit_mib: options.zygote.containment.memory_limit_mib,
+            standby: options.zygote.standby,
             env: node_env
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))

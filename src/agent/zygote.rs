@@ -25,6 +25,8 @@ pub struct Launch {
     pub preload: Vec<String>,
     /// Each call's memory limit, MiB.
     pub memory_limit_mib: Option<u64>,
+    /// Children the zygote forks ahead of their calls.
+    pub standby: usize,
     /// Node code's environment (the host's, credentials taken out).
     pub env: Vec<(String, String)>,
     /// The worker's token, for the artifact store; the zygote takes it out
@@ -65,6 +67,7 @@ impl Zygote {
         if !launch.preload.is_empty() {
             command.arg("--preload").arg(launch.preload.join(","));
         }
+        command.arg("--standby").arg(launch.standby.to_string());
         if let Some(mib) = launch.memory_limit_mib {
             command.arg("--call-memory-limit").arg(mib.to_string());
         }

@@ -28,15 +28,25 @@ static WRITING: Mutex<()> = Mutex::new(());
 
 struct Channel {
     fd: RawFd,
-    call_id: String,
+    /// The call's id, which events carry; a resident child serves one call
+    /// after another.
+    call_id: Mutex<String>,
 }
 
-/// Opens the channel for this child's call.
+/// Opens the channel for this child's call (again for each call of a
+/// resident child, on the same fd).
 pub fn open(fd: RawFd, call_id: &str) {
-    let _ = CHANNEL.set(Channel {
-        fd,
-        call_id: call_id.to_string(),
-    });
+    match CHANNEL.get() {
+        Some(channel) => {
+            *channel.call_id.lock().unwrap_or_else(|e| e.into_inner()) = call_id.to_string();
+        }
+        None => {
+            let _ = CHANNEL.set(Channel {
+                fd,
+                call_id: Mutex::new(call_id.to_string()),
+            });
+        }
+    }
 }
 
 /// The message a NaN or an infinity gets, wherever a node sends one.
@@ -92,7 +102,12 @@ pub fn send_event(kind: &str, outputs: &Bound<'_, PyAny>, what: &str) -> PyResul
     let event = PyDict::new(py);
     event.set_item(pyo3::intern!(py, "event"), kind)?;
     event.set_item(pyo3::intern!(py, "outputs"), outputs)?;
-    event.set_item(pyo3::intern!(py, "call_id"), &channel.call_id)?;
+    let call_id = channel
+        .call_id
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    event.set_item(pyo3::intern!(py, "call_id"), call_id)?;
     event.set_item(pyo3::intern!(py, "ts"), unix_time())?;
     let line = match dumps(event.as_any(), false) {
         Ok(line) => line,

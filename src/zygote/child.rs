@@ -76,6 +76,10 @@ pub enum Task {
     Trial,
     /// Call the node with the assignment's keyword arguments.
     Run,
+    /// A run whose child stays, serving the node's later calls in turn
+    /// (`--isolation node`): its module state lives on, as in a reused
+    /// `worker_main.py`.
+    Resident,
 }
 
 /// Where the node's function comes from.
@@ -113,6 +117,7 @@ impl Assignment {
             Task::Check => "check",
             Task::Trial => "trial",
             Task::Run => "run",
+            Task::Resident => "resident",
         };
         let mut fields: Vec<&str> = vec![
             task,
@@ -155,6 +160,7 @@ impl Assignment {
             "check" => Task::Check,
             "trial" => Task::Trial,
             "run" => Task::Run,
+            "resident" => Task::Resident,
             _ => return None,
         };
         let (id, call_id, flow, node, source, digest) =
@@ -223,21 +229,31 @@ pub fn wait_for_call(go: &impl std::os::fd::AsRawFd) {
     }
 }
 
-/// Writes `assignment` down a child's control pipe; closing it ends it.
+/// Writes `assignment` down a child's control pipe, length first: a
+/// resident child reads one assignment after another from the same pipe.
+/// Closing the pipe ends the child.
 pub fn send_assignment(
     control: &impl std::os::fd::AsRawFd,
     assignment: &Assignment,
 ) -> std::io::Result<()> {
-    channel::write_all(control.as_raw_fd(), &assignment.encode())
+    let body = assignment.encode();
+    let mut frame = Vec::with_capacity(8 + body.len());
+    frame.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    frame.extend_from_slice(&body);
+    channel::write_all(control.as_raw_fd(), &frame)
 }
 
-/// A child waiting for its assignment: reads it whole (the zygote closes
-/// the pipe after writing), and exits quietly if none comes.
+/// A child waiting for its assignment; exits quietly if none comes (the
+/// zygote closed the pipe: a standby not wanted, a resident retired).
 pub fn receive(control: RawFd) -> Assignment {
-    let mut bytes = Vec::new();
     // SAFETY: the control pipe's read end is this child's alone.
     let mut file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(control) });
-    if file.read_to_end(&mut bytes).is_err() || bytes.is_empty() {
+    let mut length = [0u8; 8];
+    if file.read_exact(&mut length).is_err() {
+        exit(0);
+    }
+    let mut bytes = vec![0u8; u64::from_le_bytes(length) as usize];
+    if file.read_exact(&mut bytes).is_err() {
         exit(0);
     }
     match Assignment::decode(&bytes) {
@@ -325,13 +341,13 @@ pub fn serve(
     exit(exit_code)
 }
 
-fn exit(code: i32) -> ! {
+pub(super) fn exit(code: i32) -> ! {
     // SAFETY: _exit ends the process at once; nothing of ours needs to run.
     unsafe { libc::_exit(code) }
 }
 
 /// The call's environment, through `os.environ` so Python and C both see it.
-fn apply_env(py: Python<'_>, env: &[(String, String)]) -> PyResult<()> {
+pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)]) -> PyResult<()> {
     if env.is_empty() {
         return Ok(());
     }
@@ -349,7 +365,21 @@ fn perform<'py>(
     function: Function<'_>,
     logs: &LogBuffer,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
-    let function = match function {
+    let function = resolve(py, call, function, logs)?;
+    if call.task == Task::Check || call.task == Task::Trial {
+        return Ok(None);
+    }
+    invoke(py, call, &function).map(Some)
+}
+
+/// The node's function: the zygote's, or loaded here.
+pub(super) fn resolve<'py>(
+    py: Python<'py>,
+    call: &Assignment,
+    function: Function<'_>,
+    logs: &LogBuffer,
+) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match function {
         Function::Loaded(function) => function.bind(py).clone(),
         Function::LoadHere { quiet: false } => {
             node::load(py, &call.key, &call.source, &call.digest)?
@@ -362,16 +392,21 @@ fn perform<'py>(
             drop(scratch);
             loaded?
         }
-    };
-    if call.task != Task::Run {
-        return Ok(None);
-    }
-    let result = call_with_kwargs(py, &function, call.kwargs.as_deref())?;
+    })
+}
+
+/// Calls the node with the call's keyword arguments; drains a generator.
+pub(super) fn invoke<'py>(
+    py: Python<'py>,
+    call: &Assignment,
+    function: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let result = call_with_kwargs(py, function, call.kwargs.as_deref())?;
     // SAFETY: PyGen_Check only reads the object's type.
     if unsafe { pyo3::ffi::PyGen_Check(result.as_ptr()) } != 0 {
-        return drain(py, result).map(Some);
+        return drain(py, result);
     }
-    Ok(Some(result))
+    Ok(result)
 }
 
 /// `function(**(kwargs or {}))`, with Python's own error for a non-mapping.
@@ -436,7 +471,7 @@ fn drain<'py>(py: Python<'py>, generator: Bound<'py, PyAny>) -> PyResult<Bound<'
 
 /// `sys.exit(code)` as the interpreter would end: None is 0, an int is
 /// itself, anything else is printed and is 1.
-fn system_exit_code(py: Python<'_>, error: &PyErr) -> i32 {
+pub(super) fn system_exit_code(py: Python<'_>, error: &PyErr) -> i32 {
     let code = error.value(py).getattr("code").ok();
     match code {
         None => 0,
@@ -454,7 +489,7 @@ fn system_exit_code(py: Python<'_>, error: &PyErr) -> i32 {
 }
 
 /// The reply line, as `worker_main.py` encodes it.
-fn encode_reply(
+pub(super) fn encode_reply(
     py: Python<'_>,
     call: &Assignment,
     outcome: PyResult<Option<Bound<'_, PyAny>>>,

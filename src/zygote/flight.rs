@@ -86,6 +86,12 @@ impl Flight {
         }
     }
 
+    /// Readies the flight of a resident child for its next call.
+    pub fn rearm(&mut self) {
+        self.replied = false;
+        self.started = Instant::now();
+    }
+
     /// Gives the pipe away: its lines are read elsewhere (by the agent).
     pub fn take_pipe(&mut self) -> Option<OwnedFd> {
         let pipe = self.pipe.take()?;

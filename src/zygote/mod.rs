@@ -26,6 +26,7 @@ pub mod interpreter;
 pub mod node;
 pub mod plumbing;
 pub mod recovery;
+pub mod resident;
 pub mod server;
 mod standby;
 
@@ -51,6 +52,12 @@ pub struct ZygoteOptions {
     pub preload: Vec<String>,
     /// What each call's child is contained in.
     pub containment: crate::containment::Options,
+    /// Children forked ahead of their calls.
+    pub standby: usize,
+    /// A fresh child per call, or one per node serving its calls in turn.
+    pub isolation: resident::Isolation,
+    /// Calls a resident child serves before a fresh fork replaces it.
+    pub max_calls_per_child: Option<u64>,
 }
 
 /// Why a zygote did not start. Each is printed as is, and exits 2.
@@ -166,6 +173,12 @@ pub struct Zygote {
     /// the old state, and is not used.
     generation: u64,
     children: standby::Children,
+    /// How many children wait ready (`--standby`).
+    standby: usize,
+    isolation: resident::Isolation,
+    max_calls_per_child: Option<u64>,
+    /// `--isolation node`: each node's child, between its calls.
+    residents: HashMap<NodeKey, resident::Resident>,
     /// Set when forking became unsafe; the owner must restart the zygote.
     needs_recovery: bool,
 }
@@ -215,6 +228,10 @@ impl Zygote {
             nodes: HashMap::new(),
             generation: 0,
             children: standby::Children::default(),
+            standby: options.standby,
+            isolation: options.isolation,
+            max_calls_per_child: options.max_calls_per_child,
+            residents: HashMap::new(),
             needs_recovery: false,
         })
     }
@@ -355,6 +372,11 @@ impl Zygote {
                 return Err(Stop::Recover);
             }
             trial_logs = Some(landed.logs);
+        }
+        if self.isolation == resident::Isolation::Node && !detach {
+            return self
+                .run_in_turn(py, &assignment(Task::Resident), trial_logs, out)
+                .map(|()| None);
         }
         let flight = self.start(py, &assignment(Task::Run), trial_logs, out)?;
         if detach {
@@ -503,7 +525,7 @@ impl Zygote {
 
     /// How a child resolves its node, from its copy of the zygote's table.
     fn function_for(&self, assignment: &Assignment) -> Function<'_> {
-        if assignment.task != Task::Run {
+        if !matches!(assignment.task, Task::Run | Task::Resident) {
             return Function::LoadHere { quiet: false };
         }
         match self.nodes.get(&assignment.key) {
@@ -593,8 +615,10 @@ impl Zygote {
         self.needs_recovery
     }
 
-    /// Ends every child still around: the standby, and calls being reaped.
+    /// Ends every child still around: the standby, residents, and calls
+    /// being reaped.
     pub fn shutdown(&mut self) {
+        self.retire_all();
         self.children.shutdown();
     }
 

@@ -27,16 +27,11 @@ use serde_json::value::RawValue;
 use super::capture::LogBuffer;
 use super::child::{self, Assignment, Task};
 use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
+use super::plumbing::Claimed;
 use super::{SpawnError, Zygote, fork, freeze_gc, plumbing};
 use crate::containment::Cell;
 use crate::process::{self, ExitWatch};
 use crate::protocol::{self, Request};
-
-/// How many children wait ready. Two, not one: a child forked during a
-/// call still has its own setup to do (the after-fork work, the rehearsal)
-/// when the next request arrives right behind the reply; the older one has
-/// had a whole call's time for it.
-const STANDBY: usize = 2;
 
 /// A forked child waiting for its call.
 struct Standby {
@@ -170,6 +165,29 @@ impl Zygote {
         assignment: &Assignment,
         logs_so_far: Option<LogBuffer>,
     ) -> Result<Flight, SpawnError> {
+        self.dispatch_with(py, assignment, logs_so_far, false)
+            .map(|(flight, _)| flight)
+    }
+
+    /// [`Zygote::dispatch`] for a resident child: its control pipe is kept,
+    /// for the calls after this one.
+    pub(super) fn dispatch_resident(
+        &mut self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+    ) -> Result<(Flight, Claimed), SpawnError> {
+        self.dispatch_with(py, assignment, logs_so_far, true)
+            .map(|(flight, control)| (flight, control.expect("kept")))
+    }
+
+    fn dispatch_with(
+        &mut self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+        keep_control: bool,
+    ) -> Result<(Flight, Option<Claimed>), SpawnError> {
         self.children.reap_landed();
         let standby = loop {
             match self.children.standby.pop_front() {
@@ -197,14 +215,18 @@ impl Zygote {
         drop(go);
         // A child that died before reading this is reported by its flight.
         let _ = child::send_assignment(&control, assignment);
-        drop(control);
-        Ok(Flight::new(pid, lines, logs, cell, Instant::now()))
+        let control = keep_control.then(|| Claimed::new(control));
+        Ok((Flight::new(pid, lines, logs, cell, Instant::now()), control))
     }
 
-    /// Forks standby children up to [`STANDBY`]: one per call once full, so
-    /// each has a whole call's time to set itself up before it is needed.
+    /// Forks standby children up to `--standby` (default two, not one: a
+    /// child forked during a call still has its own setup to do, the
+    /// after-fork work and the rehearsal, when the next request arrives
+    /// right behind the reply; the older one has had a whole call's time
+    /// for it): one per call once full, so each has a whole call's time to
+    /// set itself up before it is needed.
     pub fn replenish(&mut self, py: Python<'_>) {
-        while self.children.standby.len() < STANDBY {
+        while self.children.standby.len() < self.standby {
             match self.fork_standby(py) {
                 Ok(next) => self.children.standby.push_back(next),
                 // Recovery is flagged; the call being started forked safely.
@@ -249,8 +271,18 @@ impl Zygote {
                 child::wait_for_call(&go);
                 drop(go);
                 let assignment = child::receive(control_read.as_raw_fd());
-                drop(control_read);
                 let function = self.function_for(&assignment);
+                if assignment.task == Task::Resident {
+                    super::resident::serve_in_turn(
+                        py,
+                        assignment,
+                        function,
+                        control_read,
+                        lines_write.as_raw_fd(),
+                        &logs,
+                    )
+                }
+                drop(control_read);
                 child::serve(py, &assignment, function, lines_write.as_raw_fd(), &logs)
             }
             Ok(fork::Forked::Parent { pid, safe }) => {

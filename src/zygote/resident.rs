@@ -1,0 +1,190 @@
+//! `--isolation node`: one child per node, serving its calls in turn.
+//!
+//! The issue this solves: the engine's pool reuses a `worker_main.py`
+//! between crashes, so a trivial call costs it tens of microseconds, where
+//! a fork per call costs a millisecond. Where a flow wants that speed (and
+//! the module state kept between calls that comes with it), a node's first
+//! run forks a *resident* child from the zygote, and its later runs are
+//! written down the same control pipe. It is replaced by a fresh fork,
+//! never a cold start, after it crashes or exits, when its node's source
+//! changes, or after `--max-calls-per-child` calls. It is contained like any
+//! call (its cell, its session): what one of its calls leaves running lives
+//! until the resident is retired.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+
+use pyo3::prelude::*;
+
+use super::capture::LogBuffer;
+use super::child::{self, Assignment, Function};
+use super::flight::{CallOutput, Flight};
+use super::node::NodeKey;
+use super::plumbing::Claimed;
+use super::{Stop, Zygote};
+
+/// How a call's child relates to the calls after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Isolation {
+    /// A fresh child per call: nothing one call does is seen by the next.
+    #[default]
+    Call,
+    /// One child per node serving its calls in turn, as `worker_main.py`.
+    Node,
+}
+
+/// A node's resident child, between calls.
+pub(super) struct Resident {
+    flight: Flight,
+    /// Where its next call is written; closing it retires the child.
+    control: Claimed,
+    digest: String,
+    calls: u64,
+}
+
+impl Zygote {
+    /// Serves a run in the node's resident child, forking one if there is
+    /// none (or its source changed).
+    pub(super) fn run_in_turn(
+        &mut self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+        out: &mut dyn CallOutput,
+    ) -> Result<(), Stop> {
+        let key = assignment.key.clone();
+        if self
+            .residents
+            .get(&key)
+            .is_some_and(|resident| resident.digest != assignment.digest)
+        {
+            self.retire(&key);
+        }
+        let mut resident = match self.residents.remove(&key) {
+            Some(mut resident) => {
+                if let Some(logs) = logs_so_far {
+                    self.recycle(logs);
+                }
+                // A child that died since its last reply is found out by
+                // following it: its flight says how it ended.
+                let _ = child::send_assignment(&resident.control, assignment);
+                resident.flight.rearm();
+                out.started(resident.flight.pid);
+                resident
+            }
+            None => {
+                let (flight, control) = match self.dispatch_resident(py, assignment, logs_so_far) {
+                    Ok(started) => started,
+                    Err(super::SpawnError::Io(error)) => {
+                        let message = format!("could not start the node's process: {error}");
+                        out.reply(&assignment.failure("RemoteError", &message));
+                        return Err(Stop::Answered);
+                    }
+                    Err(_) => return Err(Stop::Recover),
+                };
+                out.started(flight.pid);
+                self.replenish(py);
+                Resident {
+                    flight,
+                    control,
+                    digest: assignment.digest.clone(),
+                    calls: 0,
+                }
+            }
+        };
+        match resident.flight.follow_to_reply(out) {
+            Ok(true) => {
+                resident.calls += 1;
+                let spent = self
+                    .max_calls_per_child
+                    .is_some_and(|max| resident.calls >= max);
+                self.residents.insert(key.clone(), resident);
+                if spent {
+                    self.retire(&key);
+                }
+                Ok(())
+            }
+            Ok(false) => {
+                drop(resident.control);
+                self.finish(assignment, resident.flight, out)
+                    .map(|landed| self.recycle(landed.logs))
+            }
+            Err(error) => {
+                drop(resident.control);
+                self.children.land_later(resident.flight);
+                Err(self.lost(assignment, error, out))
+            }
+        }
+    }
+
+    /// Ends a node's resident child, if it has one: its pipe closed, its
+    /// cell killed, reaped later.
+    pub(super) fn retire(&mut self, key: &NodeKey) {
+        if let Some(resident) = self.residents.remove(key) {
+            drop(resident.control);
+            self.children.land_later(resident.flight);
+        }
+    }
+
+    /// Ends every resident child.
+    pub(super) fn retire_all(&mut self) {
+        let keys: Vec<NodeKey> = self.residents.keys().cloned().collect();
+        for key in keys {
+            self.retire(&key);
+        }
+    }
+}
+
+/// In a resident child: serves `first`, then every assignment that comes
+/// down `control` after it, until the zygote closes it.
+pub(super) fn serve_in_turn(
+    py: Python<'_>,
+    first: Assignment,
+    function: Function<'_>,
+    control: OwnedFd,
+    reply_fd: RawFd,
+    logs: &LogBuffer,
+) -> ! {
+    let mut call = first;
+    super::channel::open(reply_fd, &call.call_id);
+    // Resolved once: a node loaded here keeps its module between calls.
+    let function = match function {
+        Function::Loaded(function) => function.bind(py).clone(),
+        Function::LoadHere { quiet } => {
+            match child::resolve(py, &call, Function::LoadHere { quiet }, logs) {
+                Ok(loaded) => loaded,
+                Err(error) => {
+                    // As a fresh child would: the load's error is the reply.
+                    answer(py, &call, Err(error));
+                    child::exit(0)
+                }
+            }
+        }
+    };
+    let mut first_call = true;
+    loop {
+        if !first_call {
+            // The last call's logs went out with its reply; this one's
+            // start empty.
+            logs.clear();
+            super::channel::open(reply_fd, &call.call_id);
+        }
+        first_call = false;
+        let outcome = child::apply_env(py, &call.env)
+            .and_then(|()| child::invoke(py, &call, &function))
+            .map(Some);
+        answer(py, &call, outcome);
+        call = child::receive(control.as_raw_fd());
+    }
+}
+
+/// Sends the reply for `outcome`; a `SystemExit` leaves as the interpreter
+/// would, with no reply.
+fn answer(py: Python<'_>, call: &Assignment, outcome: PyResult<Option<Bound<'_, PyAny>>>) {
+    if let Err(error) = &outcome
+        && error.is_instance_of::<pyo3::exceptions::PySystemExit>(py)
+    {
+        child::exit(child::system_exit_code(py, error));
+    }
+    let reply = child::encode_reply(py, call, outcome);
+    let _ = super::channel::send_reply(py, &reply);
+}
