@@ -17,6 +17,7 @@ use nix::unistd::Pid;
 use super::capture::LogBuffer;
 use super::plumbing;
 use crate::containment::Cell;
+use crate::lines::{LineBuffer, Piece, TooLarge};
 use crate::process::{self, ChildEnd, ExitWatch, Reaped};
 use crate::protocol;
 
@@ -30,15 +31,16 @@ pub trait CallOutput {
     fn started(&mut self, _pid: Pid) {}
 }
 
-/// How big a read from a child's pipe is: replies of megabytes are normal.
-const READ_CHUNK: usize = 1 << 20;
-
 /// A call's child that has been forked and not yet reaped.
 pub struct Flight {
     pub pid: Pid,
     pipe: Option<OwnedFd>,
     exit: ExitWatch,
-    pending: Vec<u8>,
+    /// What was read and is not yet a whole line (`crate::lines`).
+    pending: LineBuffer,
+    /// A line over `--max-reply-mb` ended the call: the child was killed,
+    /// and the call's reply is the error this holds.
+    too_large: Option<TooLarge>,
     replied: bool,
     logs: Option<LogBuffer>,
     cell: Option<Cell>,
@@ -70,7 +72,8 @@ impl Flight {
             pid,
             pipe: Some(pipe),
             exit: ExitWatch::new(pid),
-            pending: Vec::new(),
+            pending: LineBuffer::new(),
+            too_large: None,
             replied: false,
             logs: Some(logs),
             cell: Some(cell),
@@ -137,11 +140,27 @@ impl Flight {
         self.pending.clear();
     }
 
+    /// Hands over the whole lines read so far. Each byte is searched for
+    /// its newline once (a reply of hundreds of MB comes in thousands of
+    /// reads); a line over the limit kills the call (see [`Flight::too_large`]).
     fn hand_over_lines(&mut self, out: &mut dyn CallOutput) {
-        let mut start = 0;
-        while let Some(end) = self.pending[start..].iter().position(|&b| b == b'\n') {
-            let line = &self.pending[start..start + end + 1];
-            start += end + 1;
+        while let Some(piece) = self.pending.next_piece() {
+            let line = match piece {
+                Piece::Line(line) => line,
+                Piece::TooLarge(too_large) => {
+                    if !self.replied {
+                        tracing::warn!(
+                            pid = self.pid.as_raw(),
+                            bytes = too_large.bytes,
+                            "a call's line is over --max-reply-mb; its process is killed"
+                        );
+                        self.too_large = Some(too_large);
+                        self.kill_all();
+                        self.close_pipe();
+                    }
+                    return;
+                }
+            };
             if self.replied {
                 // Nothing after the reply belongs to the call.
                 continue;
@@ -153,7 +172,13 @@ impl Flight {
                 out.reply(line);
             }
         }
-        self.pending.drain(..start);
+    }
+
+    /// The line over `--max-reply-mb` that ended the call, if one did: the
+    /// child was killed then, and the call has no reply yet (the one who
+    /// lands it answers with [`TooLarge::reply`]).
+    pub fn too_large(&self) -> Option<TooLarge> {
+        self.too_large
     }
 
     /// Waits for the child's own exit (a trial's verdict is its exit code,
@@ -200,17 +225,37 @@ impl Flight {
     /// Follows the call until its reply (true) or until its child exited
     /// without one (false); either way, it is then the caller's to land.
     pub fn follow_to_reply(&mut self, out: &mut dyn CallOutput) -> std::io::Result<bool> {
+        self.follow_for(out, None)
+            .map(|ended| ended.expect("no limit, so it ended"))
+    }
+
+    /// [`Flight::follow_to_reply`], for at most `limit`: `None` if the call
+    /// is still running then.
+    pub fn follow_for(
+        &mut self,
+        out: &mut dyn CallOutput,
+        limit: Option<std::time::Duration>,
+    ) -> std::io::Result<Option<bool>> {
+        let deadline = limit.map(|limit| Instant::now() + limit);
         loop {
             if self.replied {
-                return Ok(true);
+                return Ok(Some(true));
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left.is_some_and(|left| left.is_zero()) {
+                return Ok(None);
             }
             let (pipe_ready, exit_ready) = {
                 let pipe = self.pipe_poll();
                 let exit = self.exit_poll();
-                let timeout = if exit.is_some() {
-                    PollTimeout::NONE
-                } else {
-                    PollTimeout::from(FALLBACK_POLL_MS)
+                let timeout = match (left, exit.is_some()) {
+                    (Some(left), true) => PollTimeout::try_from(left.as_millis().max(1) as u64)
+                        .unwrap_or(PollTimeout::MAX),
+                    (Some(left), false) => {
+                        PollTimeout::from((left.as_millis().max(1) as u16).min(FALLBACK_POLL_MS))
+                    }
+                    (None, true) => PollTimeout::NONE,
+                    (None, false) => PollTimeout::from(FALLBACK_POLL_MS),
                 };
                 let watching_pipe = pipe.is_some();
                 let mut fds: Vec<PollFd<'_>> = pipe.into_iter().chain(exit).collect();
@@ -227,7 +272,7 @@ impl Flight {
                 self.read(out);
             }
             if !self.replied && (exit_ready || (self.exit.fd().is_none() && self.has_exited())) {
-                return Ok(false);
+                return Ok(Some(false));
             }
         }
     }
@@ -258,30 +303,10 @@ impl Drop for Flight {
     }
 }
 
-/// One read appended to `buffer`; `None` on an error other than EINTR
-/// (EAGAIN included). Reads into spare capacity: nothing is zeroed or
-/// copied twice, which matters for a reply of megabytes.
-fn read_into(fd: RawFd, buffer: &mut Vec<u8>) -> Option<usize> {
-    let want = if buffer.len() >= READ_CHUNK {
-        READ_CHUNK
-    } else {
-        64 * 1024
-    };
-    buffer.reserve(want);
-    loop {
-        let spare = buffer.spare_capacity_mut();
-        // SAFETY: reading into the vector's spare capacity, at most its
-        // length; set_len below covers only the bytes read.
-        let n = unsafe { libc::read(fd, spare.as_mut_ptr().cast(), spare.len()) };
-        if n >= 0 {
-            // SAFETY: the kernel initialised these n bytes.
-            unsafe { buffer.set_len(buffer.len() + n as usize) };
-            return Some(n as usize);
-        }
-        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return None;
-        }
-    }
+/// One read appended to `lines`; `None` on an error other than EINTR
+/// (EAGAIN included).
+fn read_into(fd: RawFd, lines: &mut LineBuffer) -> Option<usize> {
+    lines.read_fd(fd).ok()
 }
 
 fn set_nonblocking(fd: RawFd) {

@@ -179,6 +179,8 @@ pub struct Zygote {
     max_calls_per_child: Option<u64>,
     /// `--isolation node`: each node's child, between its calls.
     residents: HashMap<NodeKey, resident::Resident>,
+    /// What the last fork of a standby took, in the zygote.
+    fork_cost: std::time::Duration,
     /// Set when forking became unsafe; the owner must restart the zygote.
     needs_recovery: bool,
 }
@@ -232,6 +234,7 @@ impl Zygote {
             isolation: options.isolation,
             max_calls_per_child: options.max_calls_per_child,
             residents: HashMap::new(),
+            fork_cost: std::time::Duration::from_millis(1),
             needs_recovery: false,
         })
     }
@@ -378,14 +381,22 @@ impl Zygote {
                 .run_in_turn(py, &assignment(Task::Resident), trial_logs, out)
                 .map(|()| None);
         }
-        let flight = self.start(py, &assignment(Task::Run), trial_logs, out)?;
+        let mut flight = self.start(py, &assignment(Task::Run), trial_logs, out)?;
         if detach {
             // The caller hands the pipe over first, then replenishes.
             return Ok(Some(flight));
         }
-        // While the call runs, on the other core.
-        self.replenish(py);
-        self.run(&assignment(Task::Run), flight, out).map(|()| None)
+        // A call shorter than a fork is answered before the next standby is
+        // forked; a longer one has that fork made beside it, on the other core.
+        let answered = matches!(flight.follow_for(out, Some(self.fork_cost)), Ok(Some(_)));
+        if !answered {
+            self.replenish(py);
+        }
+        let served = self.run(&assignment(Task::Run), flight, out);
+        if answered {
+            self.replenish(py);
+        }
+        served.map(|()| None)
     }
 
     /// A run: its lines out as they come; once it has replied, its session
@@ -463,10 +474,18 @@ impl Zygote {
         flight: Flight,
         out: &mut dyn CallOutput,
     ) -> Result<Landed, Stop> {
+        // A line over --max-reply-mb killed it: that is what the reply says.
+        let too_large = flight.too_large();
         match flight.land(out) {
             Ok(landed) => {
                 if !landed.replied {
-                    out.reply(&assignment.ended_without_reply(&landed));
+                    let reply = match too_large {
+                        Some(too_large) => {
+                            assignment.failure(crate::lines::TOO_LARGE, &too_large.message())
+                        }
+                        None => assignment.ended_without_reply(&landed),
+                    };
+                    out.reply(&reply);
                 }
                 Ok(landed)
             }

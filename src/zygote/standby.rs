@@ -16,7 +16,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::Signal;
@@ -256,7 +256,14 @@ impl Zygote {
             }
         };
         freeze_gc(py);
-        match fork::fork(py) {
+        let forking = Instant::now();
+        let forked = fork::fork(py);
+        // Bounded, so a slow fork (a loaded machine) never makes a call wait
+        // long for its own reply before the next standby is forked.
+        self.fork_cost = forking
+            .elapsed()
+            .clamp(Duration::from_micros(200), Duration::from_millis(5));
+        match forked {
             Ok(fork::Forked::Child) => {
                 // Contained before anything else runs; then nothing of any
                 // other call's (its pipes, pidfds, cells, log buffers) is
