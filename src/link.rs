@@ -289,7 +289,8 @@ impl Receiver {
             return Ok(None);
         }
         let frame = Frame::decode(&self.buffer[4..4 + length], &mut self.fds);
-        self.buffer.drain(..4 + length);
+        // A call's request must not stay behind in the zygote's memory.
+        crate::scrub::drain_front(&mut self.buffer, 4 + length);
         frame.map(Some)
     }
 }

@@ -60,3 +60,34 @@ unsafe impl GlobalAlloc for ZeroOnFree {
         }
     }
 }
+
+/// Forgets the first `n` bytes of `buffer` (a reused read buffer), zeroing
+/// what moving the rest forward leaves behind its new end: stale bytes in
+/// a buffer's spare capacity are as readable by a later child as freed ones.
+pub fn drain_front(buffer: &mut Vec<u8>, n: usize) {
+    let n = n.min(buffer.len());
+    buffer.drain(..n);
+    for byte in &mut buffer.spare_capacity_mut()[..n] {
+        byte.write(0);
+    }
+}
+
+/// Empties a reused read buffer, zeroing what it held.
+pub fn clear(buffer: &mut Vec<u8>) {
+    buffer.fill(0);
+    buffer.clear();
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_drained_buffer_keeps_nothing_behind_its_end() {
+        let mut buffer = b"secret-line\nnext".to_vec();
+        super::drain_front(&mut buffer, 12);
+        assert_eq!(buffer, b"next");
+        // SAFETY: reading the spare capacity the drain zeroed (it was
+        // initialised: it held the buffer's old bytes).
+        let behind = unsafe { std::slice::from_raw_parts(buffer.as_ptr().add(4), 12) };
+        assert!(behind.iter().all(|&b| b == 0), "{behind:?}");
+    }
+}

@@ -265,11 +265,13 @@ impl RequestReader {
     }
 
     fn fill(&mut self) -> std::io::Result<()> {
+        // Zeroed as they go: the requests served (their kwargs) must not
+        // stay in memory every later call's child is forked with.
         if self.start > 0 && self.start == self.buffer.len() {
-            self.buffer.clear();
+            crate::scrub::clear(&mut self.buffer);
             self.start = 0;
         } else if self.start > (1 << 20) {
-            self.buffer.drain(..self.start);
+            crate::scrub::drain_front(&mut self.buffer, self.start);
             self.start = 0;
         }
         self.buffer.reserve(1 << 16);

@@ -274,7 +274,11 @@ fn masked(secret: &str) -> String {
 fn no_call_finds_what_earlier_calls_were_sent_or_returned_anywhere_in_its_memory() {
     let sent = format!("kwarg-secret-{}", std::process::id());
     let returned = format!("result-secret-{}", std::process::id());
-    let victim = "def process(sent, returned):\n    return {'returned': returned, 'echo': sent}\n";
+    let victim =
+        "def process(sent, returned, padding):\n    return {'returned': returned, 'echo': sent}\n";
+    // Long, with the secrets last: a later, shorter request read into the
+    // same buffer would not overwrite them.
+    let padding = "p".repeat(16_000);
     let mut worker = Worker::zygote(&[]);
     for id in 0..3 {
         let reply = worker
@@ -282,7 +286,7 @@ fn no_call_finds_what_earlier_calls_were_sent_or_returned_anywhere_in_its_memory
                 id,
                 "victim",
                 victim,
-                json!({"sent": sent, "returned": returned}),
+                json!({"padding": padding, "returned": returned, "sent": sent}),
             ))
             .reply;
         assert_eq!(reply["result"]["returned"], returned.as_str(), "{reply}");
