@@ -124,7 +124,7 @@ fn serve(
 
 /// Moves the request stream to a private fd with /dev/null on fd 0, and the
 /// reply stream to a private fd with stderr on fd 1.
-fn take_stdio() -> std::io::Result<(RawFd, RawFd)> {
+pub(crate) fn take_stdio() -> std::io::Result<(RawFd, RawFd)> {
     let private = |fd: RawFd| -> std::io::Result<RawFd> {
         // SAFETY: F_DUPFD_CLOEXEC makes a new fd; no existing one changes.
         let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
@@ -157,6 +157,11 @@ impl Replies {
         if self.broken {
             return;
         }
+        if line.len() >= 1 << 20 {
+            // A reply of megabytes: written a MiB at a time, where the
+            // engine's end is a pipe the system lets us deepen.
+            crate::lines::widen_pipe(self.fd);
+        }
         if write_all(self.fd, line).is_err() {
             self.broken = true;
         }
@@ -174,7 +179,7 @@ impl CallOutput for Replies {
 }
 
 /// What reading the next request gave.
-enum Next {
+pub(crate) enum Next {
     Line(Vec<u8>),
     /// A line over the limit, skipped whole; its size in bytes.
     TooLong(usize),
@@ -183,7 +188,7 @@ enum Next {
 }
 
 /// Request lines from the private stdin, each at most `max` bytes.
-struct RequestReader {
+pub(crate) struct RequestReader {
     fd: RawFd,
     max: usize,
     buffer: Vec<u8>,
@@ -195,7 +200,7 @@ struct RequestReader {
 }
 
 impl RequestReader {
-    fn new(fd: RawFd, max: usize) -> RequestReader {
+    pub(crate) fn new(fd: RawFd, max: usize) -> RequestReader {
         RequestReader {
             fd,
             max,
@@ -222,6 +227,14 @@ impl RequestReader {
 
     /// The next line; while none is there, `zygote` reaps its children.
     fn next(&mut self, zygote: &mut Zygote) -> Next {
+        self.next_with(&mut |input| zygote.wait_for_input(input))
+    }
+
+    /// The next line; `wait` blocks until the request fd is readable.
+    pub(crate) fn next_with(
+        &mut self,
+        wait: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>) -> std::io::Result<()>,
+    ) -> Next {
         let mut skipped: Option<usize> = None;
         loop {
             let window = &self.buffer[self.start + self.scanned..];
@@ -258,7 +271,7 @@ impl RequestReader {
             }
             // SAFETY: the request fd stays open for the worker's lifetime.
             let input = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) };
-            if let Err(error) = zygote.wait_for_input(input).and_then(|()| self.fill()) {
+            if let Err(error) = wait(input).and_then(|()| self.fill()) {
                 return Next::Failed(error);
             }
         }

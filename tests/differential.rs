@@ -357,9 +357,9 @@ fn serve(mut worker: Worker, requests: &[Value]) -> Vec<Answer> {
     answers
 }
 
-fn check(case: &Case, args: &[&str]) -> Result<(), String> {
+fn check(case: &Case, args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
     let reference = serve(Worker::reference(), &case.requests);
-    let ours = serve(Worker::zygote(args), &case.requests);
+    let ours = serve(Worker::zygote_with(args, env), &case.requests);
     for (index, (theirs, ours)) in reference.into_iter().zip(ours).enumerate() {
         let loose =
             case.differs == Differs::RuntimeFramesInTraceback && theirs.reply["ok"] == false;
@@ -403,17 +403,31 @@ fn shorten(text: &str) -> String {
 
 #[test]
 fn every_case_matches_the_reference_field_for_field() {
-    every_case_matches(&[]);
+    every_case_matches(&[], &[]);
+}
+
+/// Through pool slots sharing one zygote (every case's slot shares it,
+/// two cases at a time): the same replies.
+#[test]
+fn every_case_matches_the_reference_through_slots_of_a_shared_zygote() {
+    every_case_matches(
+        &[],
+        &[
+            ("FLUKSIO_SHARED_ZYGOTE", "1"),
+            ("FLUKSIO_TEST_SCOPE", "differential"),
+            ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "2"),
+        ],
+    );
 }
 
 /// With a child per node serving its calls in turn, as a reused
 /// `worker_main.py` does: the same replies.
 #[test]
 fn every_case_matches_the_reference_with_a_child_per_node() {
-    every_case_matches(&["--isolation", "node"]);
+    every_case_matches(&["--isolation", "node"], &[]);
 }
 
-fn every_case_matches(args: &[&str]) {
+fn every_case_matches(args: &[&str], env: &[(&str, &str)]) {
     let cases = corpus();
     // Two at a time: each case starts a reference and a zygote of its own.
     let failures: Vec<String> = std::thread::scope(|scope| {
@@ -425,7 +439,7 @@ fn every_case_matches(args: &[&str]) {
                     chunk
                         .iter()
                         .filter_map(|case| {
-                            check(case, args)
+                            check(case, args, env)
                                 .err()
                                 .map(|e| format!("{}: {e}", case.name))
                         })

@@ -19,6 +19,19 @@ fn the_reference_pool_drives_a_child_per_node_set_by_the_environment() {
     drop_in(&[("FLUKSIO_ISOLATION", "node")]);
 }
 
+/// The pool's slots sharing one zygote (`FLUKSIO_SHARED_ZYGOTE=1`): a
+/// timeout or a cancel kills the slot and its call, never the zygote.
+#[test]
+fn the_reference_pool_drives_slots_of_a_shared_zygote() {
+    drop_in(&[
+        ("FLUKSIO_SHARED_ZYGOTE", "1"),
+        ("FLUKSIO_TEST_SCOPE", "pool-drop-in"),
+        // Long enough for the pool to respawn a killed slot, short enough
+        // for stop() to see the zygote go with the last.
+        ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "2"),
+    ]);
+}
+
 fn drop_in(env: &[(&str, &str)]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/pool_dropin.py");
     let output = Command::new(common::python())

@@ -173,17 +173,28 @@ impl Server {
             if restarting && self.runs.is_empty() {
                 return ExitCode::from(MUST_RESTART);
             }
-            if self.links.is_empty() && (self.listener.is_none() || self.next_link > 0) {
-                // The agent's link closed, or a shared zygote's last slot left.
-                return ExitCode::SUCCESS;
-            }
-            let ready = match self.wait(!restarting) {
+            let linger = if self.links.is_empty() {
+                match (&self.listener, self.next_link) {
+                    // The agent's link closed.
+                    (None, _) => return ExitCode::SUCCESS,
+                    // A shared zygote's last slot left: the pool respawns a
+                    // killed slot at once, and it should find the zygote warm.
+                    (Some(_), n) if n > 0 => Some(shared_linger()),
+                    _ => None,
+                }
+            } else {
+                None
+            };
+            let ready = match self.wait(!restarting, linger) {
                 Ok(ready) => ready,
                 Err(error) => {
                     tracing::error!("the zygote lost track of its links: {error}");
                     return ExitCode::FAILURE;
                 }
             };
+            if linger.is_some() && self.links.is_empty() && !ready.accept && self.runs.is_empty() {
+                return ExitCode::SUCCESS;
+            }
             for index in ready.exited.into_iter().rev() {
                 let run = self.runs.swap_remove(index);
                 self.land(zygote, run);
@@ -264,7 +275,11 @@ impl Server {
     }
 
     /// Waits for a frame, a slot, or a run's exit.
-    fn wait(&self, taking_calls: bool) -> std::io::Result<Ready> {
+    fn wait(
+        &self,
+        taking_calls: bool,
+        linger: Option<std::time::Duration>,
+    ) -> std::io::Result<Ready> {
         let interest = if taking_calls {
             PollFlags::POLLIN
         } else {
@@ -290,10 +305,12 @@ impl Server {
                 None => watched_all = false,
             }
         }
-        let timeout = if watched_all {
-            PollTimeout::NONE
-        } else {
-            PollTimeout::from(FALLBACK_POLL_MS)
+        let timeout = match (watched_all, linger) {
+            (true, None) => PollTimeout::NONE,
+            (true, Some(linger)) => {
+                PollTimeout::try_from(linger.as_millis() as u64).unwrap_or(PollTimeout::MAX)
+            }
+            (false, _) => PollTimeout::from(FALLBACK_POLL_MS),
         };
         match poll(&mut fds, timeout) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
@@ -433,6 +450,19 @@ impl Server {
             }
         }
     }
+}
+
+/// How long a shared zygote outlives its last slot, waiting for a new one
+/// (`FLUKSIO_SHARED_ZYGOTE_LINGER_S`, default 10 s).
+fn shared_linger() -> std::time::Duration {
+    std::env::var("FLUKSIO_SHARED_ZYGOTE_LINGER_S")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| *s >= 0.0)
+        .map_or(
+            std::time::Duration::from_secs(10),
+            std::time::Duration::from_secs_f64,
+        )
 }
 
 /// What a wait found ready.
