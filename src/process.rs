@@ -221,6 +221,38 @@ impl ExitWatch {
     }
 }
 
+/// Makes `command` start as nobody's child here (forked once more before
+/// its exec, the middle process exiting), in a session of its own, with
+/// `fd` as its fd 3: for processes that must outlive their starter (the
+/// warden, a shared zygote). `spawn` returns once it has exec'd; wait for
+/// the returned child, which is the middle process.
+pub fn detach_with_fd(command: &mut std::process::Command, fd: std::os::fd::RawFd) {
+    use std::os::unix::process::CommandExt;
+    const TARGET: std::os::fd::RawFd = 3;
+    // SAFETY: between fork and exec only dup2, fcntl, fork, _exit and
+    // setsid, which are async-signal-safe.
+    unsafe {
+        command.pre_exec(move || {
+            // dup2 onto itself would keep close-on-exec set.
+            let moved = if fd == TARGET {
+                libc::fcntl(TARGET, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, TARGET)
+            };
+            if moved < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            match libc::fork() {
+                -1 => return Err(io::Error::last_os_error()),
+                0 => {}
+                _ => libc::_exit(0),
+            }
+            libc::setsid();
+            Ok(())
+        });
+    }
+}
+
 /// Marks an fd close-on-exec, so a node's `subprocess` never inherits it.
 pub fn set_cloexec(fd: BorrowedFd<'_>) {
     // SAFETY: fcntl on a valid fd; F_SETFD only changes its flags.

@@ -25,7 +25,6 @@ use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 
@@ -236,29 +235,8 @@ impl Slot {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log));
-        let write_fd = status_write.as_raw_fd();
-        // SAFETY: between fork and exec only dup2, fcntl, fork, _exit and
-        // setsid, which are async-signal-safe.
-        unsafe {
-            command.pre_exec(move || {
-                let moved = if write_fd == STATUS_FD {
-                    libc::fcntl(STATUS_FD, libc::F_SETFD, 0)
-                } else {
-                    libc::dup2(write_fd, STATUS_FD)
-                };
-                if moved < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // Nobody's child: it outlives the slot that started it.
-                match libc::fork() {
-                    -1 => return Err(std::io::Error::last_os_error()),
-                    0 => {}
-                    _ => libc::_exit(0),
-                }
-                libc::setsid();
-                Ok(())
-            });
-        }
+        // Nobody's child: it outlives the slot that started it.
+        crate::process::detach_with_fd(&mut command, status_write.as_raw_fd());
         let mut intermediate = command
             .spawn()
             .map_err(|e| format!("could not start the shared zygote: {e}"))?;

@@ -104,18 +104,9 @@ fn a_daemon_that_ignores_every_signal_dies_with_its_killed_worker() {
     );
     worker.send(&run(1, "stubborn", &source, json!({})));
     let event = worker.next_line();
-    let pids: Vec<i32> = event["outputs"]["pids"]
-        .as_array()
-        .expect("pids")
-        .iter()
-        .map(pid_in)
-        .collect();
+    let pids = common::pids_in(&event["outputs"]["pids"]);
     // As the engine's pool does on a timeout: SIGKILL to the pid it spawned.
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(worker.pid()),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    common::sigkill(worker.pid());
     for pid in pids {
         assert_gone(pid, "after its worker was SIGKILLed");
     }
@@ -257,11 +248,7 @@ fn a_sigkilled_zygote_takes_its_calls_daemons_with_it() {
     let pids = agent_daemon(&connection, "z1");
     // The call's parent is the agent's zygote.
     let zygote = parent_of(pids[1]);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(zygote),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    common::sigkill(zygote);
     let (_, reply) = connection.reply("z1", WAIT);
     assert_eq!(reply["ok"], false, "{reply}");
     for pid in pids {

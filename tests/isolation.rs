@@ -48,17 +48,8 @@ fn killing_the_zygote_kills_a_running_call_and_what_it_started() {
     let source = "import fluksio, os, subprocess, time\ndef process():\n    sleeper = subprocess.Popen(['sleep', '3600'])\n    fluksio.emit(pids=[os.getpid(), sleeper.pid])\n    time.sleep(3600)\n";
     worker.send(&run(1, "hang", source, json!({})));
     let event = worker.next_line();
-    let pids: Vec<i32> = event["outputs"]["pids"]
-        .as_array()
-        .expect("pids")
-        .iter()
-        .map(|p| p.as_i64().unwrap() as i32)
-        .collect();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(worker.pid()),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    let pids = common::pids_in(&event["outputs"]["pids"]);
+    common::sigkill(worker.pid());
     for pid in pids {
         assert!(
             wait_gone(pid, Duration::from_secs(10)),

@@ -70,18 +70,9 @@ fn a_sigkilled_slot_ends_its_own_call_and_the_next_slot_finds_the_zygote_warm() 
     let source = "import fluksio, os, subprocess, time\ndef process():\n    sleeper = subprocess.Popen(['setsid', 'sleep', '3600'])\n    fluksio.emit(pids=[os.getpid(), sleeper.pid])\n    time.sleep(3600)\n";
     a.send(&run(2, "hang", source, json!({})));
     let event = a.next_line();
-    let pids: Vec<i32> = event["outputs"]["pids"]
-        .as_array()
-        .expect("pids")
-        .iter()
-        .map(|p| p.as_i64().unwrap() as i32)
-        .collect();
+    let pids = common::pids_in(&event["outputs"]["pids"]);
     // The pool's timeout: SIGKILL to the pid it spawned.
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(a.pid()),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    common::sigkill(a.pid());
     for pid in pids {
         assert!(
             wait_gone(pid, Duration::from_secs(15)),
@@ -124,11 +115,7 @@ fn the_zygote_ends_with_its_last_slot() {
 fn a_slot_respawned_after_the_last_was_killed_finds_the_zygote_warm() {
     let mut a = slot("respawn");
     let (_, zygote) = who(&mut a, 1);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(a.pid()),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    common::sigkill(a.pid());
     let _ = a.child.wait();
     let mut respawned = slot("respawn");
     assert_eq!(

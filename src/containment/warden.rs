@@ -14,7 +14,6 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -41,30 +40,9 @@ pub fn spawn(dirs: &[PathBuf]) -> io::Result<Claimed> {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .env_clear();
-    // SAFETY: between fork and exec only dup2, fork, _exit and setsid,
-    // which are async-signal-safe (and this process has one thread).
-    unsafe {
-        command.pre_exec(move || {
-            // dup2 onto itself would keep close-on-exec set.
-            let moved = if read_fd == PIPE_FD {
-                libc::fcntl(PIPE_FD, libc::F_SETFD, 0)
-            } else {
-                libc::dup2(read_fd, PIPE_FD)
-            };
-            if moved < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // Forked once more, so the warden is nobody's child here: the
-            // owner's children are its calls, and the warden outlives it.
-            match libc::fork() {
-                -1 => return Err(io::Error::last_os_error()),
-                0 => {}
-                _ => libc::_exit(0),
-            }
-            libc::setsid();
-            Ok(())
-        });
-    }
+    // Nobody's child, so the owner's children are its calls alone, and in
+    // a session of its own, so a signal to the owner's group spares it.
+    crate::process::detach_with_fd(&mut command, read_fd);
     // Returns once the warden has exec'd (std waits for the exec through a
     // close-on-exec pipe, which the warden holds until then).
     let mut intermediate = command.spawn()?;

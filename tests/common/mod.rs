@@ -267,3 +267,22 @@ pub fn children_of(parent: i32) -> Vec<(i32, char)> {
     }
     found
 }
+
+/// The pids in a JSON array (an emit's `outputs.pids`, a result).
+pub fn pids_in(value: &Value) -> Vec<i32> {
+    value
+        .as_array()
+        .unwrap_or_else(|| panic!("not a list of pids: {value}"))
+        .iter()
+        .map(|p| p.as_i64().expect("a pid") as i32)
+        .collect()
+}
+
+/// SIGKILL to `pid`, as the engine's pool ends a worker.
+pub fn sigkill(pid: i32) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("the process is there to kill");
+}
