@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::value::RawValue;
-use tokio::io::AsyncBufReadExt;
 
 use super::Agent;
 use super::session::Session;
 use super::zygote::Event;
+use crate::lines::{LineBuffer, Piece, TooLarge};
 use crate::link::Frame;
 use crate::process::ChildEnd;
 use crate::protocol;
@@ -35,6 +35,11 @@ impl Running {
     /// it reaps it.
     pub fn kill(&mut self) {
         self.cancelled = true;
+        self.kill_child();
+    }
+
+    /// SIGKILL to the call's child, not as a cancel (its reply says why).
+    fn kill_child(&self) {
         if let Some(pidfd) = &self.pidfd {
             // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but a null siginfo.
             unsafe {
@@ -73,7 +78,12 @@ pub async fn serve(
         );
     }
     let line = serde_json::to_vec(&request).expect("raw JSON values serialise");
-    tracing::info!(call = %call_id, "{op} started");
+    let node = crate::telemetry::node_name(
+        &text_of(request.get("flow").map(|r| &**r)),
+        &text_of(request.get("node").map(|r| &**r)),
+    );
+    let op_name = if op == "compile" { "compile" } else { "run" };
+    let log = crate::telemetry::CallLog::start(op_name, call_id.clone(), node);
     let heartbeat = session.heartbeat(&call_id);
     let call = Call {
         session: &session,
@@ -81,13 +91,13 @@ pub async fn serve(
         call_id: &call_id,
         id: &id,
     };
-    let outcome = if line.len() > crate::link::MAX_PAYLOAD {
+    let (detail, error_type) = if line.len() > crate::link::MAX_PAYLOAD {
         let message = format!(
             "the request is {} MiB, too big to pass to the zygote: pass large data as an artifact and send its reference",
             line.len() >> 20
         );
         call.fail("ProtocolError", &message).await;
-        message
+        (message, Some("ProtocolError".to_string()))
     } else {
         follow(&agent, &call, line).await
     };
@@ -98,7 +108,10 @@ pub async fn serve(
         .unwrap_or_else(|e| e.into_inner())
         .remove(&key);
     agent.call_ended();
-    tracing::info!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "{op} ended: {outcome}");
+    if !detail.is_empty() {
+        tracing::debug!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "{op}: {detail}");
+    }
+    log.end_with(error_type.as_deref());
 }
 
 /// One call, as its lines are sent for it.
@@ -137,32 +150,49 @@ impl Call<'_> {
             }
         }
     }
+
+    /// Kills the call's child now, not as a cancel.
+    fn kill_child(&self) {
+        let running = self
+            .session
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some((_, running)) = running.get(&self.key) {
+            running.kill_child();
+        }
+    }
 }
 
 /// What ended a call, as it is followed.
 enum Until {
-    Replied,
+    /// With the reply's error type (`None`: it succeeded).
+    Replied(Option<String>),
     /// The child's lines ended with no reply; wait for how it ended.
     Silent,
     /// The zygote said how the child ended (it wrote no reply).
     Ended(ChildEnd, String),
     Gone(String),
+    /// A line over `--max-reply-mb`: the child was killed.
+    TooLarge(TooLarge),
 }
 
-/// The call's lines to the engine; what happened, for the log.
-async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> String {
+/// The call's lines to the engine; what happened, for the log (a detail
+/// where the agent answered for the call, and the reply's error type).
+async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Option<String>) {
+    let remote = || Some(protocol::ENDED_WITHOUT_REPLY.to_string());
     let zygote = match agent.zygote().await {
         Ok(zygote) => zygote,
         Err(why) => {
             call.fail("RemoteError", &why).await;
-            return format!("no zygote: {why}");
+            return (format!("no zygote: {why}"), remote());
         }
     };
     let (ticket, mut events) = match zygote.call(line).await {
         Ok(ticket_and_events) => ticket_and_events,
         Err(why) => {
             call.fail("RemoteError", &why).await;
-            return why;
+            return (why, remote());
         }
     };
     let until = loop {
@@ -183,10 +213,9 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> String {
                     .cancelled(call.key)
                     .then(|| protocol::as_cancelled(&line))
                     .flatten();
-                call.session
-                    .send_raw(cancelled.as_deref().unwrap_or(&line))
-                    .await;
-                break Until::Replied;
+                let reply = cancelled.as_deref().unwrap_or(&line);
+                call.session.send_raw(reply).await;
+                break Until::Replied(crate::telemetry::error_type(reply));
             }
             Event::Frame(Frame::Pipe { pipe, .. }) => {
                 match forward_pipe(call, pipe, &mut events).await {
@@ -206,13 +235,15 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> String {
     };
     zygote.done(ticket);
     match until {
-        Until::Replied => "replied".into(),
+        Until::Replied(error_type) => (String::new(), error_type),
         Until::Ended(end, logs) => {
             let cancelled = call.session.cancelled(call.key);
-            call.session
-                .send_raw(&ended_reply(call.id, call.call_id, end, cancelled, &logs))
-                .await;
-            format!("the node process {end}")
+            let reply = ended_reply(call.id, call.call_id, end, cancelled, &logs);
+            call.session.send_raw(&reply).await;
+            (
+                format!("the node process {end}"),
+                crate::telemetry::error_type(&reply),
+            )
         }
         Until::Gone(why) => {
             call.fail(
@@ -220,7 +251,16 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> String {
                 &format!("{why} while the call ran; a new zygote serves the next calls"),
             )
             .await;
-            why
+            (why, remote())
+        }
+        Until::TooLarge(too_large) => {
+            call.session
+                .send_raw(&too_large.reply(call.id, call.call_id))
+                .await;
+            (
+                format!("{} bytes in one line, over --max-reply-mb", too_large.bytes),
+                Some(crate::lines::TOO_LARGE.to_string()),
+            )
         }
         Until::Silent => unreachable!("a silent pipe is followed by more frames"),
     }
@@ -229,6 +269,8 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> String {
 /// Forwards a run's lines from its pipe as they come, until the reply;
 /// watches the zygote meanwhile, so a child that ended (while something it
 /// forked still holds the pipe) or a zygote that died ends the wait too.
+/// Lines are split by [`LineBuffer`]: linear in their size, each at most
+/// `--max-reply-mb` (one over it kills the child and ends the call).
 async fn forward_pipe(
     call: &Call<'_>,
     pipe: OwnedFd,
@@ -237,33 +279,33 @@ async fn forward_pipe(
     let Ok(pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(pipe) else {
         return Until::Silent;
     };
-    let mut reader = tokio::io::BufReader::with_capacity(1 << 20, pipe);
-    let mut line = Vec::new();
+    let mut lines = LineBuffer::new();
     loop {
+        // Every await below is cancel-safe: what was read is in `lines`.
         tokio::select! {
-            read = reader.read_until(b'\n', &mut line) => {
-                match read {
-                    Ok(0) | Err(_) => return Until::Silent,
-                    Ok(_) => {}
-                }
-                if line.pop() != Some(b'\n') {
-                    // Half a line, cut short by the child's death: no line at all.
+            ready = pipe.readable() => {
+                if ready.is_err() {
                     return Until::Silent;
                 }
-                call.session.send_raw(&line).await;
-                if !protocol::is_event(&line) {
-                    return Until::Replied;
+                let read = pipe.try_io(|| lines.read_fd(pipe.as_raw_fd()));
+                match Read::from(read) {
+                    Read::Data => {}
+                    Read::WouldBlock => continue,
+                    // Half a line, cut short by the child's death, is no line at all.
+                    Read::Ended => return Until::Silent,
                 }
-                line.clear();
+                if let Some(until) = forward_lines(call, &mut lines).await {
+                    return until;
+                }
             }
             event = events.recv() => match event {
                 Some(Event::Frame(Frame::Ended { end, logs, .. })) => {
                     // The child is gone; what it wrote is in the pipe now.
-                    return drain(call, &mut reader, &mut line).await.unwrap_or(Until::Ended(end, logs));
+                    return drain(call, &pipe, &mut lines).await.unwrap_or(Until::Ended(end, logs));
                 }
                 Some(Event::Frame(Frame::Started { pidfd, .. })) => call.started(pidfd),
                 Some(Event::Gone(why)) => {
-                    return drain(call, &mut reader, &mut line).await.unwrap_or(Until::Gone(why));
+                    return drain(call, &pipe, &mut lines).await.unwrap_or(Until::Gone(why));
                 }
                 Some(other) => tracing::warn!("unexpected from the zygote: {other:?}"),
                 None => return Until::Gone("the zygote dropped the call".into()),
@@ -272,26 +314,69 @@ async fn forward_pipe(
     }
 }
 
-/// Forwards the whole lines already in a dead child's pipe, without waiting
-/// for more; `Some(Replied)` if the reply was among them.
-async fn drain(
-    call: &Call<'_>,
-    reader: &mut tokio::io::BufReader<tokio::net::unix::pipe::Receiver>,
-    line: &mut Vec<u8>,
-) -> Option<Until> {
-    loop {
-        let read =
-            tokio::time::timeout(std::time::Duration::ZERO, reader.read_until(b'\n', line)).await;
+/// What one read of a call's pipe gave.
+enum Read {
+    Data,
+    WouldBlock,
+    /// End of file, or an error: nothing more comes.
+    Ended,
+}
+
+impl From<std::io::Result<usize>> for Read {
+    fn from(read: std::io::Result<usize>) -> Read {
         match read {
-            Ok(Ok(n)) if n > 0 && line.last() == Some(&b'\n') => {
-                line.pop();
+            Ok(0) => Read::Ended,
+            Ok(_) => Read::Data,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Read::WouldBlock,
+            Err(_) => Read::Ended,
+        }
+    }
+}
+
+/// Sends the whole lines read so far; `Some` once the call is over (its
+/// reply sent, or a line over the limit, its child then killed).
+async fn forward_lines(call: &Call<'_>, lines: &mut LineBuffer) -> Option<Until> {
+    while let Some(piece) = lines.next_piece() {
+        match piece {
+            Piece::Line(line) => {
+                let line = line.strip_suffix(b"\n").unwrap_or(line);
                 call.session.send_raw(line).await;
                 if !protocol::is_event(line) {
-                    return Some(Until::Replied);
+                    return Some(Until::Replied(crate::telemetry::error_type(line)));
                 }
-                line.clear();
             }
-            _ => return None,
+            Piece::TooLarge(too_large) => {
+                tracing::warn!(
+                    call = %call.call_id,
+                    bytes = too_large.bytes,
+                    "a call's line is over --max-reply-mb; its process is killed"
+                );
+                call.kill_child();
+                return Some(Until::TooLarge(too_large));
+            }
+        }
+    }
+    None
+}
+
+/// Forwards the whole lines already in a dead child's pipe, without waiting
+/// for more; `Some` if the call ended among them (its reply, a line over
+/// the limit).
+async fn drain(
+    call: &Call<'_>,
+    pipe: &tokio::net::unix::pipe::Receiver,
+    lines: &mut LineBuffer,
+) -> Option<Until> {
+    loop {
+        if let Some(until) = forward_lines(call, lines).await {
+            return Some(until);
+        }
+        // Straight from the fd (nonblocking), whatever readiness tokio has
+        // seen: a grandchild holding the write end must not keep the call
+        // waiting for more.
+        match Read::from(lines.read_fd(pipe.as_raw_fd())) {
+            Read::Data => {}
+            Read::WouldBlock | Read::Ended => return None,
         }
     }
 }

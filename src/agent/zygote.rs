@@ -32,6 +32,8 @@ pub struct Launch {
     /// The worker's token, for the artifact store; the zygote takes it out
     /// of its environment before any node code runs.
     pub token: String,
+    /// `--metrics`: the page the zygote writes its numbers into.
+    pub metrics_page: Option<Arc<OwnedFd>>,
 }
 
 /// What a call hears from the zygote.
@@ -68,8 +70,16 @@ impl Zygote {
             command.arg("--preload").arg(launch.preload.join(","));
         }
         command.arg("--standby").arg(launch.standby.to_string());
+        // The agent's own limit, for the lines the zygote reads (compiles).
+        command
+            .arg("--max-reply-mb")
+            .arg(crate::lines::max_reply_mb().to_string());
         if let Some(mib) = launch.memory_limit_mib {
             command.arg("--call-memory-limit").arg(mib.to_string());
+        }
+        let page_fd = launch.metrics_page.as_ref().map(|page| page.as_raw_fd());
+        if page_fd.is_some() {
+            command.args(["--metrics-fd", "4"]);
         }
         command
             .env_clear()
@@ -88,6 +98,11 @@ impl Zygote {
             let agent = libc::getpid();
             command.pre_exec(move || {
                 if libc::dup2(theirs_fd, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if let Some(page) = page_fd
+                    && libc::dup2(page, 4) < 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 libc::setsid();

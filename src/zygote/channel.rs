@@ -143,14 +143,23 @@ fn unix_time() -> f64 {
 
 /// Writes `line` and a newline, whole: partial writes and EINTR retried.
 fn write_line(fd: RawFd, line: &[u8]) -> std::io::Result<()> {
+    let _one_line_at_a_time = WRITING.lock().unwrap_or_else(|e| e.into_inner());
+    if line.len() >= ONE_WRITE {
+        // A reply of megabytes goes in many writes anyway: not copied to
+        // add its newline.
+        write_all(fd, line)?;
+        return write_all(fd, b"\n");
+    }
     // One write for the line and its newline: an event is usually far
     // below PIPE_BUF, and then the reader gets it in one piece.
     let mut whole = Vec::with_capacity(line.len() + 1);
     whole.extend_from_slice(line);
     whole.push(b'\n');
-    let _one_line_at_a_time = WRITING.lock().unwrap_or_else(|e| e.into_inner());
     write_all(fd, &whole)
 }
+
+/// A line this long is written as it is, its newline after it.
+const ONE_WRITE: usize = 64 * 1024;
 
 pub fn write_all(fd: RawFd, mut bytes: &[u8]) -> std::io::Result<()> {
     while !bytes.is_empty() {

@@ -247,8 +247,11 @@ impl Zygote {
         request: &Request,
         out: &mut dyn CallOutput,
     ) -> Result<(), MustRecover> {
-        self.serve_maybe_detached(py, request, out, false)
-            .map(|_| ())
+        let log = crate::telemetry::CallLog::for_request(request);
+        let mut observed = crate::telemetry::Observed::new(out);
+        let served = self.serve_maybe_detached(py, request, &mut observed, false);
+        log.end_with(observed.error_type());
+        served.map(|_| ())
     }
 
     /// Serves one request as [`Zygote::serve`] does, except a run: once its
@@ -530,6 +533,25 @@ impl Zygote {
     /// Takes back the log buffer of a landed call, for the next one.
     pub fn recycle(&mut self, logs: LogBuffer) {
         self.children.recycle(logs);
+    }
+
+    /// The function of node `flow.node` where it is loaded in the zygote
+    /// (`run`/`sweep` read its signature before forking any call); `None`
+    /// where it is not compiled, or is loaded in each call's child instead.
+    pub fn compiled_function<'py>(
+        &self,
+        py: Python<'py>,
+        flow: &str,
+        node: &str,
+    ) -> Option<Bound<'py, PyAny>> {
+        let key = NodeKey {
+            flow: flow.to_string(),
+            node: node.to_string(),
+        };
+        match &self.nodes.get(&key)?.residence {
+            Residence::Zygote(function) => Some(function.bind(py).clone()),
+            Residence::EachChild => None,
+        }
     }
 
     /// The functions of the nodes loaded in the zygote.

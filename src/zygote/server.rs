@@ -110,10 +110,10 @@ fn serve_links(
             next_link: 0,
             contract,
         };
-        if let Some(socket) = first {
-            if !server.open(socket) {
-                return ExitCode::SUCCESS;
-            }
+        if let Some(socket) = first
+            && !server.open(socket)
+        {
+            return ExitCode::SUCCESS;
         }
         if let Some(listener) = &server.listener {
             set_nonblocking(listener.as_raw_fd());

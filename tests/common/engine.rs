@@ -198,7 +198,13 @@ where
             }
             Ok(response)
         };
-    let Ok(socket) = tokio_tungstenite::accept_hdr_async(stream, callback).await else {
+    // Messages of any size, as the engine takes a call's reply: the
+    // agent's own limit (--max-reply-mb) is what the tests look at.
+    let config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .max_message_size(None)
+        .max_frame_size(None);
+    let accepted = tokio_tungstenite::accept_hdr_async_with_config(stream, callback, Some(config));
+    let Ok(socket) = accepted.await else {
         return;
     };
     let (mut sink, mut stream) = socket.split();
