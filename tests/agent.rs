@@ -550,7 +550,8 @@ fn a_dead_zygote_fails_its_calls_and_is_replaced() {
 fn a_zygote_that_cannot_start_stops_the_agent_with_its_error() {
     let engine = Engine::start(Answer::Welcome);
     let mut agent = Agent::start(&engine.url, &["--preload", "no_such_module_anywhere"], &[]);
-    assert_eq!(agent.wait(WAIT), Some(1));
+    // A start-up failure: exit 2, as in every mode.
+    assert_eq!(agent.wait(WAIT), Some(2));
     let log = agent.log();
     assert!(
         log.contains("could not preload no_such_module_anywhere")

@@ -268,8 +268,18 @@ fn sweep(args: &[&str], node: &Path) -> Output {
         .expect("sweep runs")
 }
 
+/// A sweep's result lines, by index (they come in completion order).
+fn sweep_lines(output: &Output) -> Vec<Value> {
+    let mut lines: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON"))
+        .collect();
+    lines.sort_by_key(|l| l["index"].as_u64());
+    lines
+}
+
 #[test]
-fn sweep_runs_the_node_once_per_point_in_grid_order() {
+fn sweep_runs_the_node_once_per_point() {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/square.py");
     let output = sweep(
         &[
@@ -287,14 +297,11 @@ fn sweep_runs_the_node_once_per_point_in_grid_order() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let lines: Vec<Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("JSON"))
-        .collect();
+    let lines = sweep_lines(&output);
     assert_eq!(lines.len(), 100);
     for (x, line) in lines.iter().enumerate() {
-        assert_eq!(line["point"], json!({"x": x, "offset": 1}));
+        assert_eq!(line["index"], x);
+        assert_eq!(line["kwargs"], json!({"x": x, "offset": 1}));
         assert_eq!(line["ok"], true);
         assert_eq!(line["result"], json!({"x": x, "square": x * x + 1}));
     }
@@ -315,13 +322,9 @@ fn sweep_counts_failures_and_keeps_going() {
     std::fs::write(&node, "import os\ndef process(x, y):\n    if x == 3:\n        os._exit(9)\n    if x % 2:\n        raise ValueError(f'odd {x}')\n    print('even', x)\n    return x * y\n").unwrap();
     let output = sweep(&["--grid", "x=0..5", "--grid", "y=1,10"], &node);
     assert_eq!(output.status.code(), Some(1));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let lines: Vec<Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("JSON"))
-        .collect();
+    let lines = sweep_lines(&output);
     assert_eq!(lines.len(), 12);
-    assert_eq!(lines[1]["point"], json!({"x": 0, "y": 10}));
+    assert_eq!(lines[1]["kwargs"], json!({"x": 0, "y": 10}));
     assert_eq!(lines[4]["result"], 2);
     assert_eq!(lines[4]["logs"], "even 2\n");
     assert_eq!(lines[2]["error"]["short"], "ValueError: odd 1 (line 6)");

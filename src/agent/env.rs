@@ -77,6 +77,58 @@ pub fn encrypted_or_local(url: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Why `url` (the value of `flag`) cannot work, before anything connects:
+/// not a URL, a scheme other than `schemes`, no host, a port out of range.
+pub fn check_url(flag: &str, url: &str, schemes: [&str; 2]) -> Result<(), String> {
+    let example = if schemes[0] == "ws" {
+        "wss://HOST[:PORT]/api/v1/workers/attach"
+    } else {
+        "https://HOST[:PORT]/api/v1/artifacts"
+    };
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(format!("{flag} {url:?} is not a URL\nhint: give {example}"));
+    };
+    if !schemes.contains(&scheme.to_ascii_lowercase().as_str()) {
+        return Err(format!(
+            "{flag} {url}: {scheme}:// is not {}\nhint: give {example}",
+            if schemes[0] == "ws" {
+                "a WebSocket URL"
+            } else {
+                "an HTTP URL"
+            }
+        ));
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let authority = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(bracketed) => match bracketed.split_once(']') {
+            Some((host, after)) => (host, after.strip_prefix(':')),
+            None => return Err(format!("{flag} {url}: an unclosed [ in the host")),
+        },
+        None => match authority.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        },
+    };
+    if host.is_empty() {
+        return Err(format!("{flag} {url} names no host\nhint: give {example}"));
+    }
+    if let Some(port) = port {
+        match port.parse::<u32>() {
+            Ok(1..=65535) => {}
+            Ok(_) => {
+                return Err(format!(
+                    "{flag} {url}: port {port} is out of range (1 to 65535)"
+                ));
+            }
+            Err(_) => return Err(format!("{flag} {url}: {port:?} is not a port number")),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,5 +176,36 @@ mod tests {
         assert!(!encrypted_or_local("ws://10.0.0.5:8000/x"));
         assert!(!encrypted_or_local("http://e.example/x"));
         assert!(!encrypted_or_local("ws://localhost.evil.example/x"));
+    }
+
+    #[test]
+    fn urls_that_cannot_work_are_refused_before_connecting() {
+        let ws = ["ws", "wss"];
+        assert!(check_url("--url", "wss://e.example/api/v1/workers/attach", ws).is_ok());
+        assert!(check_url("--url", "ws://127.0.0.1:8000/x", ws).is_ok());
+        assert!(check_url("--url", "ws://[::1]:8000/x", ws).is_ok());
+        assert!(
+            check_url("--url", "ftp://e.example/x", ws)
+                .unwrap_err()
+                .contains("ftp:// is not a WebSocket URL")
+        );
+        assert!(
+            check_url("--url", "ws://127.0.0.1:99999/x", ws)
+                .unwrap_err()
+                .contains("port 99999 is out of range")
+        );
+        assert!(check_url("--url", "ws://127.0.0.1:0/x", ws).is_err());
+        assert!(check_url("--url", "ws://h:80a/x", ws).is_err());
+        assert!(
+            check_url("--url", "notaurl", ws)
+                .unwrap_err()
+                .contains("is not a URL")
+        );
+        assert!(
+            check_url("--url", "ws:///x", ws)
+                .unwrap_err()
+                .contains("names no host")
+        );
+        assert!(check_url("--artifact-url", "ws://h/x", ["http", "https"]).is_err());
     }
 }

@@ -58,6 +58,8 @@ pub struct AgentOptions {
     pub ram_mb: Option<u64>,
     pub max_idle: f64,
     pub ca_cert: Option<std::path::PathBuf>,
+    /// `--metrics ADDR`, served from this process.
+    pub metrics: Option<String>,
 }
 
 /// What the whole agent shares, across sessions.
@@ -118,8 +120,9 @@ impl Agent {
             .clone()
     }
 
-    /// Exit 1, with the reason logged, if a zygote could not start: that
-    /// stops the agent however the session ended.
+    /// Exit 2 (a start-up failure, as in every mode), with the reason
+    /// logged, if a zygote could not start: that stops the agent however the
+    /// session ended.
     fn fatal_exit(&self) -> Option<ExitCode> {
         let why = self
             .fatal
@@ -127,7 +130,7 @@ impl Agent {
             .unwrap_or_else(|e| e.into_inner())
             .clone()?;
         tracing::error!("{why}");
-        Some(ExitCode::FAILURE)
+        Some(ExitCode::from(2))
     }
 
     fn call_started(&self) {
@@ -164,8 +167,16 @@ impl Agent {
 
 /// Why the flags cannot work; printed as is, exit 2.
 pub fn check(options: &AgentOptions) -> Result<(), String> {
+    env::check_url("--url", &options.url, ["ws", "wss"])?;
+    if !options.artifact_url.is_empty() {
+        env::check_url("--artifact-url", &options.artifact_url, ["http", "https"])?;
+    }
     if options.token.is_empty() {
-        return Err("a token is required (--token or FLUKSIO_WORKER_TOKEN)".into());
+        return Err(
+            "a token is required\nhint: pass --token, or set FLUKSIO_WORKER_TOKEN; \
+                    the engine issues one at POST /api/v1/workers/tokens"
+                .into(),
+        );
     }
     for url in [&options.url, &options.artifact_url] {
         if !url.is_empty() && !options.insecure && !env::encrypted_or_local(url) {
@@ -191,6 +202,19 @@ pub fn run(options: AgentOptions) -> ExitCode {
     // Nor any other credential of the host's: node code is never given
     // them, and could read them here (`/proc/<agent>/environ`) otherwise.
     crate::artifacts::hide_credentials();
+    // Bound before any thread: an address in use is a start-up error.
+    let metrics = match options
+        .metrics
+        .as_deref()
+        .map(crate::metrics::prepare_for_agent)
+    {
+        None => None,
+        Some(Ok(prepared)) => Some(prepared),
+        Some(Err(why)) => {
+            eprintln!("fluksio-zygote agent: {why}");
+            return ExitCode::from(2);
+        }
+    };
     let tls = match tls::client_config(options.ca_cert.as_deref()) {
         Ok(tls) => tls,
         Err(why) => {
@@ -219,10 +243,20 @@ pub fn run(options: AgentOptions) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(serve(options, tls))
+    runtime.block_on(async move {
+        let page = metrics.map(|(listener, page)| {
+            tokio::spawn(crate::metrics::serve_agent(listener));
+            page
+        });
+        serve(options, tls, page).await
+    })
 }
 
-async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCode {
+async fn serve(
+    options: AgentOptions,
+    tls: Arc<rustls::ClientConfig>,
+    metrics_page: Option<std::os::fd::OwnedFd>,
+) -> ExitCode {
     crate::artifacts::use_token(&options.token);
     let artifact_url = if options.artifact_url.is_empty() {
         env::artifacts_from(&options.url)
@@ -247,6 +281,7 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             token: options.token.clone(),
+            metrics_page: metrics_page.map(Arc::new),
         },
         cuda_mask: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
         options,
@@ -285,11 +320,13 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
         }
         match end {
             SessionEnd::Closed => {
-                tracing::info!("the engine closed the connection; reconnecting");
+                tracing::info!("{} closed the connection; reconnecting", agent.options.url);
+                crate::metrics::reconnecting();
                 backoff = Duration::from_secs(1);
             }
             SessionEnd::Failed(why) => {
-                tracing::warn!("disconnected: {why} — retrying in {}s", backoff.as_secs());
+                tracing::warn!("{why} — retrying in {}s", backoff.as_secs());
+                crate::metrics::reconnecting();
                 let mut stopping = stopping.clone();
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
@@ -298,7 +335,11 @@ async fn serve(options: AgentOptions, tls: Arc<rustls::ClientConfig>) -> ExitCod
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             }
             SessionEnd::Refused(why) => {
-                tracing::error!("the engine refused this worker: {why}");
+                tracing::error!(
+                    "{} refused this worker: {why} (check --token, or ask the engine's \
+                     operator)",
+                    agent.options.url
+                );
                 return ExitCode::FAILURE;
             }
             SessionEnd::Idle => {

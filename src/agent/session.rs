@@ -145,8 +145,14 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
     };
     let (mut sink, mut stream) = stream.split();
     let hello = super::hello::hello(&agent.options, &agent.venv_digest().await);
+    let lost = |why: &dyn std::fmt::Display| {
+        SessionEnd::Failed(format!(
+            "lost the connection to {}: {why}",
+            agent.options.url
+        ))
+    };
     if let Err(error) = sink.send(Message::text(hello.to_string())).await {
-        return SessionEnd::Failed(error.to_string());
+        return lost(&error);
     }
     let welcome = tokio::select! {
         first = stream.next() => first,
@@ -171,8 +177,8 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
         Some(Ok(other)) => {
             return SessionEnd::Refused(format!("the engine answered hello with {other:?}"));
         }
-        Some(Err(error)) => return SessionEnd::Failed(error.to_string()),
-        None => return SessionEnd::Failed("the engine closed the connection after hello".into()),
+        Some(Err(error)) => return lost(&error),
+        None => return lost(&"the engine closed it after hello"),
     }
 
     let (out, mut outgoing) = mpsc::channel::<Message>(OUTGOING);
@@ -222,7 +228,7 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
                 Some(Ok(Message::Text(text))) => dispatch(agent, &session, &mut calls, text.as_str()),
                 Some(Ok(Message::Close(_))) | None => break SessionEnd::Closed,
                 Some(Ok(_)) => {}
-                Some(Err(error)) => break SessionEnd::Failed(error.to_string()),
+                Some(Err(error)) => break lost(&error),
             },
             _ = shutdown.changed() => break SessionEnd::Stopped,
             _ = idle.tick(), if idle_tick.is_some() => {
@@ -297,7 +303,10 @@ async fn connect(
                 }
             )))
         }
-        Err(error) => Err(SessionEnd::Failed(error.to_string())),
+        Err(error) => Err(SessionEnd::Failed(format!(
+            "could not connect to {}: {error}",
+            agent.options.url
+        ))),
     }
 }
 

@@ -1,28 +1,44 @@
-//! `fluksio-zygote sweep NODE.py --grid x=0..999`: the local main job.
+//! `fluksio-zygote sweep NODE.py --grid x=0..999` and `run NODE.py`: the
+//! local main jobs.
 //!
-//! Runs a node once per grid point, each call in its own child forked from
-//! one zygote (the node compiled into it once), several in flight at a
-//! time. Prints one JSON line per point on stdout, in grid order:
-//! `{"point": {...}, "ok": true, "result": ...}` (or `"error"`, and `"logs"`
-//! when the call printed), then a one-line summary on stderr.
+//! A sweep runs a node once per grid point (or per `--input` line), each
+//! call in its own child forked from one zygote (the node compiled into it
+//! once), several in flight at a time. It writes one JSON line per call as
+//! the call ends (completion order, with the call's index):
+//! `{"index", "kwargs", "ok", "result" | "error", "events"?, "logs"?,
+//! "duration_ms"}`, draws a progress bar when stdout and stderr are a
+//! terminal, and ends with a summary on stderr that lists the failures by
+//! error type.
+//!
+//! Exit codes, for `run` too: 0 every call succeeded; 1 a call failed;
+//! 2 it could not start (a usage error, a node that does not load, a
+//! grid name the node does not take); 130 Ctrl-C (143 SIGTERM): the calls
+//! in flight were ended, the results so far written; 141 the reader of
+//! its output went away (`| head`), quietly.
 
+pub mod calls;
 pub mod grid;
+pub mod kwargs;
+mod report;
+pub mod run;
+mod signals;
+pub mod signature;
 
-use std::collections::BTreeMap;
-use std::io::Write;
+use std::fs::File;
+use std::io::{IsTerminal, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use nix::poll::{PollFd, PollTimeout, poll};
 use pyo3::prelude::*;
-use serde::Deserialize;
-use serde_json::value::RawValue;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-use crate::protocol::{self, Op, Request};
-use crate::zygote::flight::{CallOutput, FALLBACK_POLL_MS, Flight};
-use crate::zygote::{self, SpawnError, Zygote, ZygoteOptions};
+use crate::protocol::Op;
+use crate::zygote::{self, Zygote, ZygoteOptions};
+use calls::{Calls, Node};
+use kwargs::Kwargs;
+use report::{Reply, Summary};
 
 /// How `sweep` is run.
 #[derive(Debug, Clone)]
@@ -30,216 +46,270 @@ pub struct SweepOptions {
     pub zygote: ZygoteOptions,
     pub node: PathBuf,
     pub grids: Vec<String>,
+    /// A file of JSON-lines keyword arguments, one call each; `-` is stdin.
+    pub input: Option<PathBuf>,
     /// Keyword arguments every call gets, as a JSON object.
     pub kwargs: Option<String>,
+    /// Keyword arguments every call gets, each `NAME=VALUE`.
+    pub pairs: Vec<String>,
     /// Calls in flight at once; `None` is one per CPU.
     pub jobs: Option<usize>,
+    /// Where the result lines go instead of stdout.
+    pub output: Option<PathBuf>,
 }
 
-/// Exit code: 0 when every call succeeded, 1 when some failed, 2 when the
-/// sweep could not start.
+/// Exit code: 141, as a shell reports a process its closed pipe ended.
+const OUTPUT_CLOSED: u8 = 141;
+
 pub fn run(options: &SweepOptions) -> ExitCode {
     let prepared = match prepare(options) {
         Ok(prepared) => prepared,
-        Err(message) => {
-            eprintln!("fluksio-zygote sweep: {message}");
-            return ExitCode::from(2);
-        }
+        Err(message) => return fail("sweep", &message, 2),
     };
+    let output = match &options.output {
+        None => None,
+        Some(path) => match File::create(path) {
+            Ok(file) => Some(file),
+            Err(e) => {
+                return fail(
+                    "sweep",
+                    &format!("cannot write --output {}: {e}", path.display()),
+                    2,
+                );
+            }
+        },
+    };
+    let stdout_is_terminal = std::io::stdout().is_terminal();
+    let stdout = match take_stdout(true) {
+        Ok(stdout) => stdout,
+        Err(e) => return fail("sweep", &format!("cannot set up its output: {e}"), 2),
+    };
+    let to_file = output.is_some();
+    let out = Output {
+        writer: std::io::BufWriter::new(output.unwrap_or(stdout)),
+        to_terminal: stdout_is_terminal && !to_file,
+    };
+    let progress = stdout_is_terminal && std::io::stderr().is_terminal();
+    signals::install();
+    zygote::node::name_bad_values();
     zygote::run(
         &options.zygote,
         zygote::print_startup_error,
         |py, zygote| {
-            if let Err(message) = compile(py, zygote, &prepared) {
-                eprintln!("fluksio-zygote sweep: {message}");
-                return ExitCode::from(2);
+            if let Err(message) = load(py, zygote, &prepared.node, &prepared.dir, true) {
+                return fail("sweep", &message, 2);
             }
+            // Every grid point has the same names: its first one stands for all.
+            let checked: Vec<Kwargs> = match &prepared.calls {
+                Source::Grid(grid) => vec![grid.point(0)],
+                Source::Lines(lines) => lines.clone(),
+            };
+            let describe = |i: usize| prepared.describe(&checked[i], i);
+            if let Err(message) = check_calls(py, zygote, &prepared.node, &checked, &describe) {
+                return fail("sweep", &message, 2);
+            }
+            signals::reinstall();
             let jobs = options
                 .jobs
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
                 .max(1);
-            let summary = match sweep(py, zygote, &prepared, jobs) {
-                Ok(summary) => summary,
-                Err(message) => {
-                    eprintln!("fluksio-zygote sweep: {message}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            eprintln!("{summary}");
-            if summary.failed > 0 {
-                ExitCode::FAILURE
-            } else {
-                ExitCode::SUCCESS
-            }
+            let code = sweep(py, zygote, &prepared, jobs, out, progress);
+            zygote.shutdown();
+            code
         },
     )
 }
 
-/// The node and its points, read and checked before anything starts.
+/// The node and its calls, read and checked before anything starts.
 struct Prepared {
-    flow: String,
-    node: String,
-    source: String,
-    points: Vec<Map<String, Value>>,
+    node: Node,
+    dir: PathBuf,
+    calls: Source,
+}
+
+/// Where the calls come from.
+enum Source {
+    Grid(grid::Grid),
+    Lines(Vec<Kwargs>),
+}
+
+impl Source {
+    fn len(&self) -> usize {
+        match self {
+            Source::Grid(grid) => grid.len(),
+            Source::Lines(lines) => lines.len(),
+        }
+    }
+
+    fn get(&self, index: usize) -> Kwargs {
+        match self {
+            Source::Grid(grid) => grid.point(index),
+            Source::Lines(lines) => lines[index].clone(),
+        }
+    }
+}
+
+impl Prepared {
+    /// Call `index`, for a message about it.
+    fn describe(&self, kwargs: &Kwargs, index: usize) -> String {
+        let kwargs = Value::Object(kwargs.clone());
+        match self.calls {
+            Source::Lines(_) => format!("--input call #{index}, {kwargs}"),
+            Source::Grid(_) => format!("the call {kwargs}"),
+        }
+    }
 }
 
 fn prepare(options: &SweepOptions) -> Result<Prepared, String> {
-    let source = std::fs::read_to_string(&options.node)
-        .map_err(|e| format!("cannot read {}: {e}", options.node.display()))?;
-    let axes = options
-        .grids
-        .iter()
-        .map(|spec| grid::parse_axis(spec))
-        .collect::<Result<Vec<_>, _>>()?;
-    let base = match &options.kwargs {
-        None => Map::new(),
-        Some(text) => serde_json::from_str::<Map<String, Value>>(text)
-            .map_err(|e| format!("--kwargs must be a JSON object ({e}), e.g. '{{\"seed\": 1}}'"))?,
+    let (node, dir) = read_node(&options.node, "sweep")?;
+    let base = kwargs::fixed(options.kwargs.as_deref(), &options.pairs)?;
+    let calls = match &options.input {
+        Some(path) => Source::Lines(kwargs::input(path, &base)?),
+        None if options.grids.is_empty() => {
+            return Err(
+                "nothing to sweep: give --grid NAME=VALUES or --input FILE\nhint: for one call, \
+                 fluksio-zygote run NODE.py -k NAME=VALUE"
+                    .into(),
+            );
+        }
+        None => {
+            let axes = options
+                .grids
+                .iter()
+                .map(|spec| grid::parse_axis(spec))
+                .collect::<Result<Vec<_>, _>>()?;
+            Source::Grid(grid::Grid::new(axes, base)?)
+        }
     };
-    Ok(Prepared {
-        flow: "sweep".into(),
-        node: node_name(&options.node),
-        source,
-        points: grid::points(&axes, &base)?,
-    })
+    Ok(Prepared { node, dir, calls })
 }
 
-/// The node's name in tracebacks (`<node sweep.square>`): the file's stem.
-fn node_name(path: &Path) -> String {
-    path.file_stem()
+/// The node's source, named by the file's stem (`<node sweep.square>` in
+/// tracebacks), and its directory (for `sys.path`).
+fn read_node(path: &Path, flow: &str) -> Result<(Node, PathBuf), String> {
+    let source = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let name = path
+        .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "node".into())
+        .unwrap_or_else(|| "node".into());
+    // As `python node.py` has it: the script's real directory.
+    let dir = std::fs::canonicalize(path)
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| PathBuf::from("."));
+    let node = Node {
+        flow: flow.into(),
+        name,
+        source,
+    };
+    Ok((node, dir))
 }
 
-fn compile(py: Python<'_>, zygote: &mut Zygote, prepared: &Prepared) -> Result<(), String> {
-    let request = Request {
-        op: Op::Compile,
-        id: raw("null"),
-        call_id: String::new(),
-        flow: prepared.flow.clone(),
-        node: prepared.node.clone(),
-        source: prepared.source.clone(),
-        keep: true,
-        kwargs: None,
-        env: Vec::new(),
-    };
-    let mut answer = Answer::default();
+/// A message on stderr (`fluksio-zygote COMMAND: …`), and the exit code.
+fn fail(command: &str, message: &str, code: u8) -> ExitCode {
+    say(&format!("fluksio-zygote {command}: {message}"));
+    ExitCode::from(code)
+}
+
+/// A line on stderr; a closed stderr is no reason to panic.
+fn say(text: &str) {
+    let _ = writeln!(std::io::stderr(), "{text}");
+}
+
+/// Moves stdout to a private fd (close-on-exec, closed in every child: only
+/// this process writes results there) and points fd 1 at stderr, so what a
+/// node or its subprocess writes to fd 1 can never corrupt the results.
+/// With `null_stdin`, fd 0 becomes /dev/null (many calls, one terminal).
+fn take_stdout(null_stdin: bool) -> std::io::Result<File> {
+    // SAFETY: F_DUPFD_CLOEXEC makes a new fd; no existing one changes.
+    let fd = unsafe { libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 3) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new fd the kernel just returned, owned by the File alone.
+    let stdout = unsafe { File::from_raw_fd(fd) };
+    // SAFETY: dup2 onto this process's own standard fds.
+    unsafe {
+        if libc::dup2(2, 1) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if null_stdin {
+            let null = File::open("/dev/null")?;
+            if libc::dup2(null.as_raw_fd(), 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(stdout)
+}
+
+/// Puts the node's directory first on `sys.path`, as `python node.py`
+/// does, then compiles the node into the zygote. `echo_logs`: print what
+/// its module level printed (`run` has shown it live already).
+fn load(
+    py: Python<'_>,
+    zygote: &mut Zygote,
+    node: &Node,
+    dir: &Path,
+    echo_logs: bool,
+) -> Result<(), String> {
+    py.import("sys")
+        .and_then(|sys| sys.getattr("path"))
+        .and_then(|path| path.call_method1("insert", (0, dir.to_string_lossy().as_ref())))
+        .map_err(|e| format!("cannot put {} on sys.path: {e}", dir.display()))?;
+    let request = node.request(Op::Compile, "null", None);
+    let mut answer = calls::Answer::default();
     if zygote.serve(py, &request, &mut answer).is_err() {
         return Err("the zygote cannot fork safely after loading the node".into());
     }
     let reply: Reply<'_> = serde_json::from_slice(&answer.reply)
         .map_err(|e| format!("the node's compile reply is not readable: {e}"))?;
     let logs = reply.logs_text();
-    if !logs.is_empty() {
-        eprint!("{logs}");
+    if echo_logs && !logs.is_empty() {
+        let _ = write!(std::io::stderr(), "{logs}");
     }
     if !reply.ok {
-        let short = reply
-            .error
-            .and_then(|e| serde_json::from_str::<ErrorShort>(e.get()).ok())
-            .map(|e| e.short)
-            .unwrap_or_default();
-        return Err(format!("the node does not load: {short}"));
+        let error = reply.error_body();
+        if !error.traceback.is_empty() {
+            let _ = write!(std::io::stderr(), "{}", error.traceback);
+        }
+        return Err(format!("the node does not load: {}", error.short));
     }
     Ok(())
 }
 
-/// The parts of a reply the sweep prints, kept as the JSON they came as.
-#[derive(Deserialize)]
-struct Reply<'a> {
-    ok: bool,
-    #[serde(borrow, default)]
-    result: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    error: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    logs: Option<&'a RawValue>,
-}
-
-impl Reply<'_> {
-    fn logs_text(&self) -> String {
-        self.logs
-            .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
-            .unwrap_or_default()
+/// Refuses, before any call is forked, calls the node's function cannot
+/// take. A node loaded in each call's child (not in the zygote) is not
+/// checked here: its calls say so themselves.
+fn check_calls(
+    py: Python<'_>,
+    zygote: &Zygote,
+    node: &Node,
+    calls: &[Kwargs],
+    describe: &dyn Fn(usize) -> String,
+) -> Result<(), String> {
+    let Some(function) = zygote.compiled_function(py, &node.flow, &node.name) else {
+        return Ok(());
+    };
+    match signature::read(py, &function) {
+        Some((name, params)) => signature::check(&name, &params, calls, describe),
+        None => Ok(()),
     }
 }
 
-#[derive(Deserialize)]
-struct ErrorShort {
-    short: String,
+/// Where result lines go.
+struct Output {
+    writer: std::io::BufWriter<File>,
+    /// Lines share the terminal with the progress bar.
+    to_terminal: bool,
 }
 
-fn raw(text: &str) -> Box<RawValue> {
-    RawValue::from_string(text.to_string()).expect("valid JSON")
-}
-
-/// One call's lines: events counted, the reply kept, its arrival timed.
-#[derive(Default)]
-struct Answer {
-    reply: Vec<u8>,
-    replied_at: Option<Instant>,
-}
-
-impl CallOutput for Answer {
-    fn event(&mut self, _line: &[u8]) {}
-
-    fn reply(&mut self, line: &[u8]) {
-        self.reply = line.to_vec();
-        self.replied_at = Some(Instant::now());
-    }
-}
-
-/// What a sweep did, as the one line it ends with.
-pub struct Summary {
-    calls: usize,
-    failed: usize,
-    elapsed: Duration,
-    latencies: Vec<Duration>,
-    jobs: usize,
-}
-
-impl std::fmt::Display for Summary {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let seconds = self.elapsed.as_secs_f64();
-        let rate = if seconds > 0.0 {
-            self.calls as f64 / seconds
-        } else {
-            0.0
-        };
-        write!(
-            f,
-            "sweep: {} calls, {} failed, in {:.2} s: {:.0} calls/s, latency p50 {:.2} ms, p99 {:.2} ms ({} in flight)",
-            self.calls,
-            self.failed,
-            seconds,
-            rate,
-            millis(percentile(&self.latencies, 0.50)),
-            millis(percentile(&self.latencies, 0.99)),
-            self.jobs
-        )
-    }
-}
-
-fn millis(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-/// The `q` quantile of `samples` (nearest rank); zero when empty.
-pub fn percentile(samples: &[Duration], q: f64) -> Duration {
-    if samples.is_empty() {
-        return Duration::ZERO;
-    }
-    let mut sorted = samples.to_vec();
-    sorted.sort_unstable();
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
-}
-
-/// A call in flight and what it has said so far.
-struct Running {
-    index: usize,
-    flight: Flight,
-    answer: Answer,
+/// Why the sweep stopped before its end.
+enum Stop {
+    Signal(i32),
+    Closed,
+    Failed(String),
 }
 
 fn sweep(
@@ -247,185 +317,107 @@ fn sweep(
     zygote: &mut Zygote,
     prepared: &Prepared,
     jobs: usize,
-) -> Result<Summary, String> {
+    mut out: Output,
+    progress: bool,
+) -> ExitCode {
     let started = Instant::now();
-    let stdout = std::io::stdout();
-    let mut stdout = stdout.lock();
-    let mut printer = InOrder::default();
+    let total = prepared.calls.len();
+    let bar = progress.then(|| report::progress_bar(total));
+    let mut summary = Summary::new(total, jobs);
+    let mut calls = Calls::new(zygote, &prepared.node);
     let mut next = 0;
-    let mut running: Vec<Running> = Vec::with_capacity(jobs);
-    let mut latencies = Vec::with_capacity(prepared.points.len());
-    let mut failed = 0;
-
-    while next < prepared.points.len() || !running.is_empty() {
-        while running.len() < jobs && next < prepared.points.len() {
-            let request = run_request(prepared, next);
-            let flight = match zygote.start_run(py, &request) {
-                Ok(flight) => flight,
-                Err(SpawnError::Io(error)) => {
-                    return Err(format!("could not fork a call: {error}"));
-                }
-                Err(SpawnError::Unsafe | SpawnError::NotCompiled) => {
-                    return Err("the zygote can no longer fork safely".into());
-                }
-            };
-            running.push(Running {
-                index: next,
-                flight,
-                answer: Answer::default(),
-            });
+    let stop = loop {
+        if let Some(signal) = signals::received() {
+            break Some(Stop::Signal(signal));
+        }
+        let mut forked = Ok(());
+        while calls.in_flight() < jobs && next < total && forked.is_ok() {
+            forked = calls.start(py, next, &prepared.calls.get(next));
             next += 1;
         }
-
-        let (readable, exited) = wait_for_any(&running)?;
-        for &i in &readable {
-            let call = &mut running[i];
-            call.flight.read(&mut call.answer);
+        if let Err(message) = forked {
+            break Some(Stop::Failed(message));
         }
-        // Land from the back, so the indices still to visit stay valid.
-        for &i in exited.iter().rev() {
-            let Running {
-                index,
-                flight,
-                mut answer,
-            } = running.swap_remove(i);
-            let start = flight.started;
-            let landed = flight
-                .land(&mut answer)
-                .map_err(|e| format!("lost track of a call: {e}"))?;
-            let id = raw(&index.to_string());
-            if !landed.replied {
-                answer.reply(&protocol::ended_without_reply(
-                    &id,
-                    "",
-                    landed.reaped.end,
-                    &landed.logs.text_lossy(),
-                ));
-            }
-            zygote.recycle(landed.logs);
-            latencies.push(answer.replied_at.unwrap_or_else(Instant::now) - start);
-            let (line, ok) = result_line(&prepared.points[index], &answer.reply);
-            if !ok {
-                failed += 1;
-            }
-            printer.push(index, line, &mut stdout);
+        if next < total {
+            calls.replenish(py);
         }
-    }
-    stdout.flush().ok();
-    Ok(Summary {
-        calls: prepared.points.len(),
-        failed,
-        elapsed: started.elapsed(),
-        latencies,
-        jobs,
-    })
-}
-
-/// Waits until some call has something to read or has exited; returns the
-/// indices of each, ascending.
-fn wait_for_any(running: &[Running]) -> Result<(Vec<usize>, Vec<usize>), String> {
-    let mut fds: Vec<PollFd<'_>> = Vec::new();
-    // (call index, whether the fd is its exit watch) for each polled fd.
-    let mut owners = Vec::new();
-    let mut all_have_pidfds = true;
-    for (i, call) in running.iter().enumerate() {
-        if let Some(pipe) = call.flight.pipe_poll() {
-            fds.push(pipe);
-            owners.push((i, false));
+        if calls.in_flight() == 0 {
+            break None;
         }
-        match call.flight.exit_poll() {
-            Some(exit) => {
-                fds.push(exit);
-                owners.push((i, true));
-            }
-            None => all_have_pidfds = false,
+        let finished = match calls.step() {
+            Ok(finished) => finished,
+            Err(message) => break Some(Stop::Failed(message)),
+        };
+        if finished.is_empty() {
+            continue;
         }
-    }
-    let timeout = if all_have_pidfds {
-        PollTimeout::NONE
-    } else {
-        PollTimeout::from(FALLBACK_POLL_MS)
-    };
-    match poll(&mut fds, timeout) {
-        Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-        Err(e) => return Err(format!("poll failed: {e}")),
-    }
-    let mut readable = Vec::new();
-    let mut exited = Vec::new();
-    for (fd, &(i, is_exit)) in fds.iter().zip(&owners) {
-        if fd.revents().is_some_and(|r| !r.is_empty()) {
-            if is_exit {
-                exited.push(i)
+        let mut lines = String::new();
+        for done in &finished {
+            let kwargs = &prepared.calls.get(done.index);
+            let (line, outcome) = report::line(done, kwargs);
+            summary.record(done, kwargs, outcome);
+            lines.push_str(&line);
+            lines.push('\n');
+        }
+        let written = match (&bar, out.to_terminal) {
+            (Some(bar), true) => bar.suspend(|| write_lines(&mut out, &lines)),
+            _ => write_lines(&mut out, &lines),
+        };
+        if let Err(error) = written {
+            break Some(if error.kind() == std::io::ErrorKind::BrokenPipe {
+                Stop::Closed
             } else {
-                readable.push(i)
+                Stop::Failed(format!("cannot write the results: {error}"))
+            });
+        }
+        if let Some(bar) = &bar {
+            bar.set_position(summary.done as u64);
+            bar.set_message(format!("{} failed", summary.failed));
+        }
+    };
+    let ended = calls.kill_all().len();
+    drop(calls);
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    summary.elapsed = started.elapsed();
+    match stop {
+        Some(Stop::Closed) => ExitCode::from(OUTPUT_CLOSED),
+        Some(Stop::Failed(message)) => {
+            let _ = out.writer.flush();
+            say(&summary.to_string());
+            fail("sweep", &message, 1)
+        }
+        Some(Stop::Signal(signal)) => {
+            summary.stopped = Some((signal, ended));
+            if let Err(error) = out.writer.flush()
+                && error.kind() == std::io::ErrorKind::BrokenPipe
+            {
+                return ExitCode::from(OUTPUT_CLOSED);
+            }
+            say(&summary.to_string());
+            ExitCode::from(signals::exit_code(signal))
+        }
+        None => {
+            if let Err(error) = out.writer.flush() {
+                if error.kind() == std::io::ErrorKind::BrokenPipe {
+                    return ExitCode::from(OUTPUT_CLOSED);
+                }
+                say(&summary.to_string());
+                return fail("sweep", &format!("cannot write the results: {error}"), 1);
+            }
+            say(&summary.to_string());
+            if summary.failed > 0 {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
             }
         }
     }
-    if !all_have_pidfds {
-        exited.extend((0..running.len()).filter(|&i| {
-            running[i].flight.exit_poll().is_none() && running[i].flight.has_exited()
-        }));
-    }
-    exited.sort_unstable();
-    exited.dedup();
-    Ok((readable, exited))
 }
 
-fn run_request(prepared: &Prepared, index: usize) -> Request {
-    Request {
-        op: Op::Run,
-        id: raw(&index.to_string()),
-        call_id: String::new(),
-        flow: prepared.flow.clone(),
-        node: prepared.node.clone(),
-        source: prepared.source.clone(),
-        keep: true,
-        kwargs: Some(raw(
-            &Value::Object(prepared.points[index].clone()).to_string()
-        )),
-        env: Vec::new(),
-    }
-}
-
-/// `{"point", "ok", "result" | "error", "logs"?}`, the reply's own JSON
-/// spliced in unparsed (a big int stays exact).
-fn result_line(point: &Map<String, Value>, reply: &[u8]) -> (String, bool) {
-    let point = Value::Object(point.clone()).to_string();
-    let Ok(reply) = serde_json::from_slice::<Reply<'_>>(reply) else {
-        let text = String::from_utf8_lossy(reply);
-        let error = serde_json::json!({"type": "RemoteError", "message": format!("unreadable reply: {}", text.trim())});
-        return (
-            format!(r#"{{"point": {point}, "ok": false, "error": {error}}}"#),
-            false,
-        );
-    };
-    let mut line = format!(r#"{{"point": {point}, "ok": {}"#, reply.ok);
-    match (reply.ok, reply.result, reply.error) {
-        (true, Some(result), _) => line += &format!(r#", "result": {}"#, result.get()),
-        (true, None, _) => line += r#", "result": null"#,
-        (false, _, Some(error)) => line += &format!(r#", "error": {}"#, error.get()),
-        (false, _, None) => {}
-    }
-    if let Some(logs) = reply.logs.filter(|l| l.get() != r#""""#) {
-        line += &format!(r#", "logs": {}"#, logs.get());
-    }
-    line.push('}');
-    (line, reply.ok)
-}
-
-/// Prints lines in index order though calls finish in any order.
-#[derive(Default)]
-struct InOrder {
-    next: usize,
-    waiting: BTreeMap<usize, String>,
-}
-
-impl InOrder {
-    fn push(&mut self, index: usize, line: String, out: &mut impl Write) {
-        self.waiting.insert(index, line);
-        while let Some(line) = self.waiting.remove(&self.next) {
-            let _ = writeln!(out, "{line}");
-            self.next += 1;
-        }
-    }
+/// Writes and flushes: a reader that went away is noticed at once.
+fn write_lines(out: &mut Output, lines: &str) -> std::io::Result<()> {
+    out.writer.write_all(lines.as_bytes())?;
+    out.writer.flush()
 }

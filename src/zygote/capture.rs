@@ -210,6 +210,37 @@ pub fn drop_writes() {
     TARGET.store(std::ptr::null_mut(), Ordering::SeqCst);
 }
 
+/// Whether what a call prints also goes to its stderr as it is written
+/// (`run`: the node's output live on the terminal, uncapped). Set before
+/// any child is forked; children inherit it.
+static TEE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Turns on the copy of every captured write to fd 2 (see [`TEE`]).
+pub fn tee_to_stderr() {
+    TEE.store(true, Ordering::Relaxed);
+}
+
+/// The copy [`tee_to_stderr`] asks for; only while a capture is current
+/// (output the zygote drops, a node loaded quietly into it, stays dropped).
+fn tee(text: &Bound<'_, PyString>) {
+    if !TEE.load(Ordering::Relaxed) || TARGET.load(Ordering::SeqCst).is_null() {
+        return;
+    }
+    let text = text.to_string_lossy();
+    let mut bytes = text.as_bytes();
+    while !bytes.is_empty() {
+        // SAFETY: a write from a live slice to this process's fd 2.
+        let n = unsafe { libc::write(2, bytes.as_ptr().cast(), bytes.len()) };
+        if n <= 0 {
+            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        bytes = &bytes[n as usize..];
+    }
+}
+
 /// `sys.stdout` and `sys.stderr` during a call: a text stream into the
 /// current [`LogBuffer`], first [`MAX_LOG_CHARS`] characters kept.
 #[pyclass(module = "fluksio", frozen)]
@@ -229,6 +260,7 @@ impl LogCapture {
             ))
         })?;
         let chars = text.len()?;
+        tee(text);
         with_target(|buffer| -> PyResult<()> {
             let room = buffer.room();
             if room == 0 {

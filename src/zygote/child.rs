@@ -550,6 +550,7 @@ fn build_reply(
                     result.get_type().name()?
                 )
             };
+            let trouble = node::with_bad_value(trouble, &result);
             let error = PyDict::new(py);
             error.set_item("type", "ValueError")?;
             error.set_item("message", &trouble)?;

@@ -9,6 +9,17 @@
 //!    not load into it. That is refused before initialising, with the fix.
 //! 3. pyo3's `Python::initialize` installs signal handlers and guesses its
 //!    home from PATH; the zygote needs neither.
+//! 4. Another *build* of the same version (Debian's 3.11.2 beside pyenv's
+//!    3.11.7) passes a version check and then fails every node's `import
+//!    math`: its stdlib is not the embedded library's. The target's
+//!    `sys.version` (number, build date, compiler) must be the embedded
+//!    library's own (`Py_GetVersion`, readable before initialising); a venv
+//!    made from the embedded interpreter reports the same.
+//! 5. `--python python3` is looked up on PATH, and a pyenv shim or a
+//!    symlink is replaced by the `sys.executable` it reports. Without
+//!    `--python`: an activated venv (`VIRTUAL_ENV`), then the venv this
+//!    binary is installed in (`pip install .`), then the interpreter it was
+//!    built against.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
@@ -21,6 +32,78 @@ use pyo3::ffi;
 pub const BUILD_PYTHON: &str = env!("FLUKSIO_BUILD_PYTHON");
 /// Its `major.minor`, the only version whose stdlib this binary can load.
 pub const BUILD_PYTHON_VERSION: &str = env!("FLUKSIO_BUILD_PYTHON_VERSION");
+/// The base interpreter of [`BUILD_PYTHON`] where that is a venv (a build
+/// tool's throwaway one, say), else the same.
+pub const BUILD_BASE_PYTHON: &str = env!("FLUKSIO_BUILD_BASE_PYTHON");
+
+/// Where the default `--python` came from, for the error that names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chosen {
+    /// `--python` or `FLUKSIO_PYTHON`.
+    Given,
+    /// `VIRTUAL_ENV`, an activated venv.
+    VirtualEnv,
+    /// The venv this binary is installed in.
+    Beside,
+    /// The interpreter this binary was built against.
+    Built,
+}
+
+/// The interpreter node code runs on: `given` (a path, or a name looked up
+/// on PATH), else the defaults in the module docs.
+pub fn resolve(given: Option<&Path>) -> (PathBuf, Chosen) {
+    if let Some(given) = given {
+        let is_name = !given.as_os_str().as_bytes().contains(&b'/');
+        if is_name && let Some(found) = on_path(given) {
+            return (found, Chosen::Given);
+        }
+        return (given.to_path_buf(), Chosen::Given);
+    }
+    if let Some(venv) = std::env::var_os("VIRTUAL_ENV").filter(|v| !v.is_empty()) {
+        return (Path::new(&venv).join("bin/python"), Chosen::VirtualEnv);
+    }
+    if let Some(beside) = std::env::current_exe().ok().and_then(|exe| {
+        let bin = exe.parent()?;
+        let python = bin.join("python");
+        (bin.parent()?.join("pyvenv.cfg").is_file() && python.exists()).then_some(python)
+    }) {
+        return (beside, Chosen::Beside);
+    }
+    if Path::new(BUILD_PYTHON).exists() {
+        (PathBuf::from(BUILD_PYTHON), Chosen::Built)
+    } else {
+        (PathBuf::from(BUILD_BASE_PYTHON), Chosen::Built)
+    }
+}
+
+fn on_path(name: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(name))
+        .find(|path| {
+            path.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// The embedded library's `sys.version`.
+pub fn embedded_version() -> String {
+    // SAFETY: Py_GetVersion returns a static string and may be called before
+    // the interpreter is initialised.
+    unsafe { std::ffi::CStr::from_ptr(ffi::Py_GetVersion()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// What `check` learnt: the executable to initialise with (a shim's or a
+/// symlink's target, as the interpreter reports it).
+static PROBED: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// What the interpreter says of itself: `major.minor`, `sys.version`,
+/// `sys.executable`, one a line (a bare `major.minor` is enough to refuse
+/// another version).
+const PROBE: &str = "import sys; print('%d.%d' % sys.version_info[:2]); \
+                     print(sys.version.replace(chr(10), ' ')); print(sys.executable)";
 
 /// How to start the embedded interpreter.
 #[derive(Debug, Clone)]
@@ -33,17 +116,46 @@ pub struct InterpreterConfig {
 #[derive(Debug)]
 pub enum StartError {
     Missing(PathBuf),
-    Unrunnable { python: PathBuf, why: String },
-    WrongVersion { python: PathBuf, found: String },
+    Unrunnable {
+        python: PathBuf,
+        why: String,
+    },
+    WrongVersion {
+        python: PathBuf,
+        found: String,
+    },
+    /// The same version, another build: its stdlib is not the embedded one's.
+    OtherBuild {
+        python: PathBuf,
+        found: String,
+    },
     Init(String),
 }
 
 impl std::fmt::Display for StartError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            StartError::Missing(python) if !python.as_os_str().as_bytes().contains(&b'/') => {
+                write!(
+                    f,
+                    "--python {}: no such command on PATH\nhint: pass a path to the interpreter (or venv's bin/python) that node code should run on",
+                    python.display()
+                )
+            }
             StartError::Missing(python) => write!(
                 f,
                 "{} does not exist\nhint: pass --python with the interpreter (or venv's bin/python) that node code should run on",
+                python.display()
+            ),
+            StartError::OtherBuild { python, found } => write!(
+                f,
+                "{} is another build of Python {BUILD_PYTHON_VERSION} ({found}) than the one this \
+                 fluksio-zygote embeds ({}, {BUILD_BASE_PYTHON}): its standard library does not \
+                 load into it\nhint: use --python {BUILD_BASE_PYTHON} or a venv made from it \
+                 ({BUILD_BASE_PYTHON} -m venv DIR), or rebuild for this one: PYO3_PYTHON={} \
+                 cargo build --release",
+                python.display(),
+                short_version(&embedded_version()),
                 python.display()
             ),
             StartError::Unrunnable { python, why } => write!(
@@ -78,21 +190,20 @@ impl InterpreterConfig {
         if !self.python.exists() {
             return Err(StartError::Missing(self.python.clone()));
         }
-        if self.python == Path::new(BUILD_PYTHON) {
+        if self.python == Path::new(BUILD_PYTHON) || self.python == Path::new(BUILD_BASE_PYTHON) {
             return Ok(());
         }
         let output = Command::new(&self.python)
-            .args([
-                "-S",
-                "-c",
-                "import sys; print('%d.%d' % sys.version_info[:2])",
-            ])
+            .args(["-S", "-c", PROBE])
             .output()
             .map_err(|e| StartError::Unrunnable {
                 python: self.python.clone(),
                 why: e.to_string(),
             })?;
-        let found = String::from_utf8_lossy(&output.stdout).trim().to_string();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let mut lines = stdout.lines().map(str::trim);
+        let found = lines.next().unwrap_or("").to_string();
+        let (version, executable) = (lines.next(), lines.next());
         if !output.status.success() || found.is_empty() {
             return Err(StartError::Unrunnable {
                 python: self.python.clone(),
@@ -105,6 +216,17 @@ impl InterpreterConfig {
                 found,
             });
         }
+        if let Some(version) = version
+            && version != embedded_version().replace('\n', " ").trim()
+        {
+            return Err(StartError::OtherBuild {
+                python: self.python.clone(),
+                found: short_version(version),
+            });
+        }
+        if let Some(executable) = executable.filter(|e| e.starts_with('/')) {
+            let _ = PROBED.set(PathBuf::from(executable));
+        }
         Ok(())
     }
 
@@ -113,7 +235,8 @@ impl InterpreterConfig {
     /// Must run once, before any other Python call, on the thread that will
     /// fork (signal handling and `PyOS_AfterFork_Child` assume it).
     pub fn initialize(&self) -> Result<(), StartError> {
-        let executable = CString::new(self.python.as_os_str().as_bytes())
+        let python = PROBED.get().unwrap_or(&self.python);
+        let executable = CString::new(python.as_os_str().as_bytes())
             .map_err(|_| StartError::Init("the --python path contains a NUL byte".into()))?;
         // SAFETY: the PyConfig is initialised by PyConfig_InitPythonConfig
         // before any field is read, every string goes through the setter that
@@ -143,6 +266,12 @@ impl InterpreterConfig {
         }
         Ok(())
     }
+}
+
+/// `3.11.2 (main, Mar 13 2023, 12:18:29)` of a `sys.version`: without the
+/// compiler.
+fn short_version(version: &str) -> String {
+    version.split(" [").next().unwrap_or(version).to_string()
 }
 
 fn status_message(status: ffi::PyStatus) -> String {

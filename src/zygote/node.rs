@@ -106,6 +106,99 @@ fn choose_function<'py>(module: &Bound<'py, PyAny>, name: &str) -> PyResult<Boun
     )))
 }
 
+/// Whether a result JSON cannot carry is described down to the value
+/// (`result["a"][2] is a set`). Off for the worker contract, whose message
+/// is the reference's word for word; `run` and `sweep` turn it on before
+/// any child is forked.
+static NAME_BAD_VALUES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Turns on [`with_bad_value`] in this process and the children it forks.
+pub fn name_bad_values() {
+    NAME_BAD_VALUES.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// `message` (a "returned …, which JSON cannot carry — …" refusal) with the
+/// path to the first value JSON cannot carry put before its " — ", where
+/// [`name_bad_values`] is on and the value is found.
+pub fn with_bad_value(message: String, result: &Bound<'_, PyAny>) -> String {
+    if !NAME_BAD_VALUES.load(std::sync::atomic::Ordering::Relaxed) {
+        return message;
+    }
+    let Some(detail) = bad_value(result, "result".to_string(), 0) else {
+        return message;
+    };
+    match message.split_once(" — ") {
+        Some((what, rest)) => format!("{what}: {detail} — {rest}"),
+        None => format!("{message} ({detail})"),
+    }
+}
+
+/// Where in `value` the first thing `json.dumps` refuses is, and what it is.
+fn bad_value(value: &Bound<'_, PyAny>, path: String, depth: usize) -> Option<String> {
+    use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+    if depth > 100 {
+        return None;
+    }
+    if value.is_none()
+        || value.is_instance_of::<PyString>()
+        || value.is_instance_of::<PyInt>()
+        || value.is_instance_of::<PyBool>()
+    {
+        return None;
+    }
+    if let Ok(float) = value.cast::<PyFloat>() {
+        let number = float.value();
+        let shown = if number.is_nan() {
+            "nan".to_string()
+        } else {
+            number.to_string()
+        };
+        return (!number.is_finite()).then(|| format!("{path} is {shown}"));
+    }
+    let type_name = |v: &Bound<'_, PyAny>| {
+        v.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "object".into())
+    };
+    if let Ok(dict) = value.cast::<PyDict>() {
+        for (key, item) in dict.iter() {
+            let key_text = if let Ok(key) = key.cast::<PyString>() {
+                serde_json::to_string(&key.to_string_lossy()).unwrap_or_default()
+            } else if key.is_none()
+                || key.is_instance_of::<PyInt>()
+                || key.is_instance_of::<PyFloat>()
+                || key.is_instance_of::<PyBool>()
+            {
+                key.str()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default()
+            } else {
+                return Some(format!("{path} has a key of type {}", type_name(&key)));
+            };
+            if let Some(found) = bad_value(&item, format!("{path}[{key_text}]"), depth + 1) {
+                return Some(found);
+            }
+        }
+        return None;
+    }
+    if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
+        for (index, item) in value.try_iter().ok()?.enumerate() {
+            if let Some(found) = bad_value(&item.ok()?, format!("{path}[{index}]"), depth + 1) {
+                return Some(found);
+            }
+        }
+        return None;
+    }
+    let name = type_name(value);
+    let article = if name.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    Some(format!("{path} is {article} {name}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

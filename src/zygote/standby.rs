@@ -258,6 +258,9 @@ impl Zygote {
         freeze_gc(py);
         let forking = Instant::now();
         let forked = fork::fork(py);
+        if !matches!(forked, Ok(fork::Forked::Child)) {
+            crate::metrics::forked(forking.elapsed());
+        }
         // Bounded, so a slow fork (a loaded machine) never makes a call wait
         // long for its own reply before the next standby is forked.
         self.fork_cost = forking

@@ -1,0 +1,255 @@
+//! Calls in flight for `run` and `sweep`: each forked from the zygote,
+//! followed on its pipe and its exit, landed as it ends (in whatever order
+//! that is), and killed with everything it started when the run stops.
+
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollTimeout, poll};
+use nix::sys::signal::Signal;
+use pyo3::prelude::*;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use crate::protocol::{self, Op, Request};
+use crate::zygote::flight::{CallOutput, Flight};
+use crate::zygote::{SpawnError, Zygote};
+
+/// How long a wait may block: a signal that lands between checking for it
+/// and polling is seen within this.
+const WAKE_MS: u16 = 200;
+
+/// What a node is, for its requests.
+pub struct Node {
+    pub flow: String,
+    pub name: String,
+    pub source: String,
+}
+
+impl Node {
+    pub fn request(&self, op: Op, id: &str, kwargs: Option<&Map<String, Value>>) -> Request {
+        Request {
+            op,
+            id: raw(id),
+            call_id: String::new(),
+            flow: self.flow.clone(),
+            node: self.name.clone(),
+            source: self.source.clone(),
+            keep: true,
+            kwargs: kwargs.map(|k| raw(&Value::Object(k.clone()).to_string())),
+            env: Vec::new(),
+        }
+    }
+}
+
+pub fn raw(text: &str) -> Box<RawValue> {
+    RawValue::from_string(text.to_string()).expect("valid JSON")
+}
+
+/// A call's lines: its events in order, its reply, when the reply came.
+#[derive(Default)]
+pub struct Answer {
+    pub events: Vec<Vec<u8>>,
+    pub reply: Vec<u8>,
+    replied_at: Option<Instant>,
+}
+
+impl CallOutput for Answer {
+    fn event(&mut self, line: &[u8]) {
+        self.events.push(line.to_vec());
+    }
+
+    fn reply(&mut self, line: &[u8]) {
+        self.reply = line.to_vec();
+        self.replied_at = Some(Instant::now());
+    }
+}
+
+/// A call that ended: its reply (one the zygote wrote, if the node's
+/// process ended without one), its events, how long it took.
+pub struct Done {
+    pub index: usize,
+    pub answer: Answer,
+    pub duration: Duration,
+}
+
+struct Running {
+    index: usize,
+    flight: Flight,
+    answer: Answer,
+    /// Its start and end log lines (`crate::telemetry`).
+    log: crate::telemetry::CallLog,
+}
+
+/// The calls in flight.
+pub struct Calls<'a> {
+    zygote: &'a mut Zygote,
+    node: &'a Node,
+    running: Vec<Running>,
+}
+
+impl<'a> Calls<'a> {
+    pub fn new(zygote: &'a mut Zygote, node: &'a Node) -> Calls<'a> {
+        Calls {
+            zygote,
+            node,
+            running: Vec::new(),
+        }
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Forks call `index` with `kwargs`.
+    pub fn start(
+        &mut self,
+        py: Python<'_>,
+        index: usize,
+        kwargs: &Map<String, Value>,
+    ) -> Result<(), String> {
+        let request = self.node.request(Op::Run, &index.to_string(), Some(kwargs));
+        let flight = match self.zygote.start_run(py, &request) {
+            Ok(flight) => flight,
+            Err(SpawnError::Io(error)) => return Err(format!("could not fork a call: {error}")),
+            Err(SpawnError::Unsafe | SpawnError::NotCompiled) => {
+                return Err("the zygote can no longer fork safely".into());
+            }
+        };
+        let log = crate::telemetry::CallLog::start(
+            "run",
+            index.to_string(),
+            crate::telemetry::node_name(&self.node.flow, &self.node.name),
+        );
+        self.running.push(Running {
+            index,
+            flight,
+            answer: Answer::default(),
+            log,
+        });
+        Ok(())
+    }
+
+    /// Forks the standby children for the next calls, while these run.
+    pub fn replenish(&mut self, py: Python<'_>) {
+        self.zygote.replenish(py);
+    }
+
+    /// The events of the calls in flight so far, by call index.
+    pub fn events(&self) -> impl Iterator<Item = (usize, &[Vec<u8>])> {
+        self.running
+            .iter()
+            .map(|call| (call.index, call.answer.events.as_slice()))
+    }
+
+    /// Waits (a little while at most) for lines or exits; returns the calls
+    /// that ended.
+    pub fn step(&mut self) -> Result<Vec<Done>, String> {
+        let (readable, exited) = self.wait()?;
+        for &i in &readable {
+            let call = &mut self.running[i];
+            call.flight.read(&mut call.answer);
+        }
+        let mut done = Vec::with_capacity(exited.len());
+        // From the back, so the indices still to visit stay valid.
+        for &i in exited.iter().rev() {
+            let call = self.running.swap_remove(i);
+            done.push(self.land(call)?);
+        }
+        done.reverse();
+        Ok(done)
+    }
+
+    fn land(&mut self, call: Running) -> Result<Done, String> {
+        let Running {
+            index,
+            flight,
+            mut answer,
+            log,
+        } = call;
+        let started = flight.started;
+        let too_large = flight.too_large();
+        let landed = flight
+            .land(&mut answer)
+            .map_err(|e| format!("lost track of a call: {e}"))?;
+        let id = raw(&index.to_string());
+        if let (false, Some(too_large)) = (landed.replied, too_large) {
+            answer.reply(&too_large.reply(&id, ""));
+        } else if !landed.replied {
+            answer.reply(&protocol::ended_without_reply(
+                &id,
+                "",
+                landed.reaped.end,
+                &landed.logs.text_lossy(),
+            ));
+        }
+        self.zygote.recycle(landed.logs);
+        log.end(Some(&answer.reply));
+        let duration = answer.replied_at.unwrap_or_else(Instant::now) - started;
+        Ok(Done {
+            index,
+            answer,
+            duration,
+        })
+    }
+
+    /// Ends every call in flight: each child's session and cell killed, then
+    /// reaped. Returns their indices.
+    pub fn kill_all(&mut self) -> Vec<usize> {
+        for call in &self.running {
+            crate::process::kill_group(call.flight.pid, Signal::SIGKILL);
+        }
+        let mut ended = Vec::new();
+        while let Some(call) = self.running.pop() {
+            ended.push(call.index);
+            // Landing kills its cell too (what left the session) and reaps.
+            let _ = self.land(call);
+        }
+        ended.sort_unstable();
+        ended
+    }
+
+    /// The indices (into `running`) of calls with something to read, and of
+    /// calls that exited, each ascending.
+    fn wait(&self) -> Result<(Vec<usize>, Vec<usize>), String> {
+        let mut fds: Vec<PollFd<'_>> = Vec::new();
+        // (call, whether the fd is its exit watch) for each polled fd.
+        let mut owners = Vec::new();
+        for (i, call) in self.running.iter().enumerate() {
+            if let Some(pipe) = call.flight.pipe_poll() {
+                fds.push(pipe);
+                owners.push((i, false));
+            }
+            if let Some(exit) = call.flight.exit_poll() {
+                fds.push(exit);
+                owners.push((i, true));
+            }
+        }
+        // Short without pidfds, so exits are asked about often enough.
+        let timeout = if self.running.iter().all(|c| c.flight.exit_poll().is_some()) {
+            WAKE_MS
+        } else {
+            crate::zygote::flight::FALLBACK_POLL_MS.min(WAKE_MS)
+        };
+        match poll(&mut fds, PollTimeout::from(timeout)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(format!("poll failed: {e}")),
+        }
+        let mut readable = Vec::new();
+        let mut exited = Vec::new();
+        for (fd, &(i, is_exit)) in fds.iter().zip(&owners) {
+            if fd.revents().is_some_and(|r| !r.is_empty()) {
+                if is_exit {
+                    exited.push(i)
+                } else {
+                    readable.push(i)
+                }
+            }
+        }
+        exited.extend((0..self.running.len()).filter(|&i| {
+            self.running[i].flight.exit_poll().is_none() && self.running[i].flight.has_exited()
+        }));
+        exited.sort_unstable();
+        exited.dedup();
+        Ok((readable, exited))
+    }
+}

@@ -1,0 +1,762 @@
+//! `run` and `sweep` as a person and a script use them: the grid and its
+//! refusals, `--input`, the result lines, exit codes, Ctrl-C whatever the
+//! node did with signals, a reader that goes away, `sys.path` beside the
+//! node, generator events, live prints, and what a result JSON cannot carry.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{ZYGOTE, children_of, scratch, wait_gone};
+use serde_json::{Value, json};
+
+/// The longest any one wait here may take before the test fails.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+fn example() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/square.py")
+}
+
+fn node(dir: &Path, name: &str, source: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, source).unwrap();
+    path
+}
+
+fn zygote(command: &str, node: &Path, args: &[&str]) -> Output {
+    Command::new(ZYGOTE)
+        .arg(command)
+        .arg(node)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("the binary runs")
+}
+
+fn sweep(node: &Path, args: &[&str]) -> Output {
+    zygote("sweep", node, args)
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// The result lines, sorted by index (they come in completion order).
+fn lines(output: &Output) -> Vec<Value> {
+    let mut lines: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    lines.sort_by_key(|l| l["index"].as_u64());
+    lines
+}
+
+fn refused(output: &Output, words: &[&str]) {
+    let text = stderr(output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(output.stdout.is_empty(), "nothing ran: {text}");
+    for word in words {
+        assert!(text.contains(word), "stderr mentions {word:?}:\n{text}");
+    }
+}
+
+/// Waits until `path` exists.
+fn wait_for_file(path: &Path) {
+    let start = std::time::Instant::now();
+    while !path.exists() {
+        assert!(
+            start.elapsed() < PATIENCE,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for `child` to exit; kills it and fails the test if it has not
+/// within [`PATIENCE`] (a stop that is not honoured would otherwise hang).
+fn exit_within(mut child: std::process::Child, what: &str) -> Output {
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > PATIENCE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: still running after {PATIENCE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Every process descended from `root` (children, their children, …).
+fn descendants(root: i32) -> Vec<i32> {
+    let mut found = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(pid) = frontier.pop() {
+        for (child, _) in children_of(pid) {
+            found.push(child);
+            frontier.push(child);
+        }
+    }
+    found
+}
+
+#[test]
+fn the_readme_sweep_runs_every_point() {
+    let output = sweep(&example(), &["--grid", "x=0..999"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let lines = lines(&output);
+    assert_eq!(lines.len(), 1000);
+    for (x, line) in lines.iter().enumerate() {
+        assert_eq!(line["index"], x);
+        assert_eq!(line["kwargs"], json!({"x": x}));
+        assert_eq!(line["ok"], true);
+        assert_eq!(line["result"], json!({"x": x, "square": x * x}));
+        assert!(line["duration_ms"].as_f64().is_some(), "{line}");
+    }
+    let text = stderr(&output);
+    assert!(text.contains("sweep: 1000 calls, 0 failed"), "{text}");
+    assert!(!text.contains("ETA"), "no progress bar when piped: {text}");
+}
+
+#[test]
+fn an_empty_range_is_refused() {
+    refused(
+        &sweep(&example(), &["--grid", "x=10..1"]),
+        &["--grid x=10..1", "empty", "hint: write 1..10"],
+    );
+}
+
+#[test]
+fn a_json_list_is_an_axis_of_its_elements() {
+    let output = sweep(&example(), &["--grid", "x=[1,2,3]"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let xs: Vec<Value> = lines(&output)
+        .iter()
+        .map(|l| l["kwargs"]["x"].clone())
+        .collect();
+    assert_eq!(xs, vec![json!(1), json!(2), json!(3)]);
+    let dir = scratch("jsonlist");
+    let echo = node(&dir, "echo.py", "def process(v):\n    return v\n");
+    let output = sweep(&echo, &["--grid", r#"v=[[1, 2], "a,b", {"k": null}]"#]);
+    let results: Vec<Value> = lines(&output).iter().map(|l| l["result"].clone()).collect();
+    assert_eq!(
+        results,
+        vec![json!([1, 2]), json!("a,b"), json!({"k": null})]
+    );
+    refused(
+        &sweep(&example(), &["--grid", "x=[1,2"]),
+        &["not a JSON list"],
+    );
+}
+
+#[test]
+fn a_dash_range_is_refused_with_the_range_it_meant() {
+    refused(
+        &sweep(&example(), &["--grid", "x=0-9"]),
+        &["0-9 is not a range", "hint: write 0..9"],
+    );
+}
+
+#[test]
+fn an_axis_may_not_override_a_fixed_argument() {
+    refused(
+        &sweep(&example(), &["--grid", "x=1,2", "--kwargs", r#"{"x": 5}"#]),
+        &["--grid x and the fixed arguments", "both set x", "hint:"],
+    );
+    refused(
+        &sweep(&example(), &["--grid", "x=1,2", "-k", "x=5"]),
+        &["both set x"],
+    );
+    refused(
+        &sweep(
+            &example(),
+            &[
+                "--grid",
+                "x=1",
+                "-k",
+                "offset=1",
+                "--kwargs",
+                r#"{"offset": 2}"#,
+            ],
+        ),
+        &["offset is given twice"],
+    );
+}
+
+#[test]
+fn zero_jobs_is_a_usage_error() {
+    refused(
+        &sweep(&example(), &["--grid", "x=1", "-j", "0"]),
+        &["--jobs", "0 calls in flight would run nothing"],
+    );
+}
+
+#[test]
+fn a_name_the_function_does_not_take_fails_once_before_any_fork() {
+    let dir = scratch("signature");
+    let marker = dir.join("called");
+    let counting = node(
+        &dir,
+        "counting.py",
+        &format!(
+            "def process(x, offset=0):\n    open({:?}, 'a').write('call\\n')\n    return x\n",
+            marker.to_string_lossy()
+        ),
+    );
+    refused(
+        &sweep(&counting, &["--grid", "x=0..999", "--grid", "z=1,2"]),
+        &[
+            "process() takes no argument named z",
+            "hint: it takes x, offset",
+        ],
+    );
+    assert!(!marker.exists(), "no call was forked");
+    refused(
+        &sweep(&counting, &["--grid", "offset=0..9"]),
+        &["process() needs x", "hint:"],
+    );
+    refused(
+        &zygote("run", &counting, &["-k", "y=1", "-k", "x=1"]),
+        &["no argument named y"],
+    );
+    assert!(!marker.exists(), "no call was forked");
+
+    let open = node(
+        &dir,
+        "open.py",
+        "def process(x, **rest):\n    return sorted(rest)\n",
+    );
+    let output = sweep(&open, &["--grid", "x=1", "--grid", "z=1", "-k", "w=2"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(lines(&output)[0]["result"], json!(["w", "z"]));
+}
+
+#[test]
+fn float_steps_are_rounded_to_their_decimals() {
+    let output = sweep(&example(), &["--grid", "x=0..1:0.1", "-k", "offset=0"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!stdout.contains("0.30000000000000004"), "{stdout}");
+    let xs: Vec<String> = lines(&output)
+        .iter()
+        .map(|l| l["kwargs"]["x"].to_string())
+        .collect();
+    assert_eq!(
+        xs,
+        [
+            "0.0", "0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9", "1.0"
+        ]
+    );
+}
+
+#[test]
+fn input_lines_are_calls_over_the_fixed_arguments() {
+    let dir = scratch("input");
+    let input = dir.join("calls.jsonl");
+    std::fs::write(&input, "{\"x\": 2}\n\n{\"x\": 3, \"offset\": 10}\n").unwrap();
+    let output = sweep(&example(), &["--input", input.to_str().unwrap(), "-j", "1"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let results: Vec<Value> = lines(&output)
+        .iter()
+        .map(|l| l["result"]["square"].clone())
+        .collect();
+    assert_eq!(results, vec![json!(4), json!(19)]);
+
+    // From stdin, `-`.
+    let mut child = Command::new(ZYGOTE)
+        .args(["sweep"])
+        .arg(example())
+        .args(["--input", "-", "-k", "offset=1"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"{\"x\": 5}\n{\"x\": 6}\n")
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let lines = lines(&output);
+    assert_eq!(lines[0]["kwargs"], json!({"x": 5, "offset": 1}));
+    assert_eq!(lines[1]["result"]["square"], 37);
+
+    std::fs::write(&input, "{\"x\": 1}\n[1, 2]\n").unwrap();
+    refused(
+        &sweep(&example(), &["--input", input.to_str().unwrap()]),
+        &["line 2: expected a JSON object", "got a list", "hint:"],
+    );
+    std::fs::write(&input, "{\"x\": 1, \"offset\": 1}\n").unwrap();
+    refused(
+        &sweep(
+            &example(),
+            &["--input", input.to_str().unwrap(), "-k", "offset=2"],
+        ),
+        &["line 1 sets offset, which --kwargs or -k sets too"],
+    );
+    refused(
+        &sweep(
+            &example(),
+            &["--input", input.to_str().unwrap(), "--grid", "x=1"],
+        ),
+        &["cannot be used with"],
+    );
+    refused(&sweep(&example(), &[]), &["--grid"]);
+}
+
+#[test]
+fn lines_come_in_completion_order_with_their_index() {
+    let dir = scratch("order");
+    let gate = dir.join("five-started");
+    // Call 0 holds one of two slots until call 5 starts; 1 to 4 pass
+    // through the other one, each landed before the next could start.
+    let slow_first = node(
+        &dir,
+        "gate.py",
+        &format!(
+            "import os, time\nGATE = {:?}\ndef process(x):\n    if x == 5:\n        open(GATE, 'w').close()\n    while x == 0 and not os.path.exists(GATE):\n        time.sleep(0.01)\n    return x\n",
+            gate.to_string_lossy()
+        ),
+    );
+    let out = dir.join("results.jsonl");
+    let output = sweep(
+        &slow_first,
+        &[
+            "--grid",
+            "x=0..5",
+            "-j",
+            "2",
+            "--output",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(output.stdout.is_empty(), "the lines went to --output");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let order: Vec<u64> = text
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["index"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(order.len(), 6);
+    assert_eq!(&order[..4], &[1, 2, 3, 4], "0 waited for 5: {order:?}");
+}
+
+#[test]
+fn failures_exit_1_and_are_summarised_by_type() {
+    let dir = scratch("failures");
+    let odd = node(
+        &dir,
+        "odd.py",
+        "import os\ndef process(x, y):\n    if x == 3:\n        os._exit(9)\n    if x % 2:\n        raise ValueError(f'odd {x}')\n    print('even', x)\n    return x * y\n",
+    );
+    let output = sweep(&odd, &["--grid", "x=0..5", "--grid", "y=1,10"]);
+    assert_eq!(output.status.code(), Some(1));
+    let lines = lines(&output);
+    assert_eq!(lines.len(), 12);
+    assert_eq!(lines[1]["kwargs"], json!({"x": 0, "y": 10}));
+    assert_eq!(lines[4]["result"], 2);
+    assert_eq!(lines[4]["logs"], "even 2\n");
+    assert_eq!(lines[2]["ok"], false);
+    assert_eq!(lines[2]["error"]["short"], "ValueError: odd 1 (line 6)");
+    let text = stderr(&output);
+    assert!(text.contains("sweep: 12 calls, 6 failed"), "{text}");
+    assert!(
+        text.contains(
+            "4 × ValueError\n      #2 {\"x\":1,\"y\":1}: odd 1 (line 6)\n      #3 {\"x\":1,\"y\":10}: odd 1 (line 6)"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("… and 1 more"), "{text}");
+    assert!(
+        text.contains(
+            "2 × RemoteError\n      #6 {\"x\":3,\"y\":1}: the node process exited with code 9 before it replied"
+        ),
+        "{text}"
+    );
+}
+
+#[test]
+fn generator_yields_and_emits_are_in_the_line() {
+    let dir = scratch("events");
+    let generator = node(
+        &dir,
+        "gen.py",
+        "import fluksio\ndef process(n):\n    for i in range(n):\n        yield {'i': i}\n    fluksio.emit(done=True)\n    return 'end'\n",
+    );
+    let output = sweep(&generator, &["--grid", "n=2"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let line = &lines(&output)[0];
+    assert_eq!(line["result"], "end");
+    assert_eq!(
+        line["events"],
+        json!([
+            {"event": "yield", "outputs": {"i": 0}},
+            {"event": "yield", "outputs": {"i": 1}},
+            {"event": "emit", "outputs": {"done": true}},
+        ])
+    );
+
+    let output = zygote("run", &generator, &["-k", "n=2"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stdout: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        stdout,
+        vec![
+            json!({"event": "yield", "outputs": {"i": 0}}),
+            json!({"event": "yield", "outputs": {"i": 1}}),
+            json!({"event": "emit", "outputs": {"done": true}}),
+            json!("end"),
+        ]
+    );
+}
+
+#[test]
+fn a_node_imports_a_module_beside_it() {
+    let dir = scratch("beside");
+    node(&dir, "helper_beside.py", "VALUE = 41\n");
+    let user = node(
+        &dir,
+        "user.py",
+        "import sys, helper_beside\ndef process(x):\n    return [helper_beside.VALUE + x, sys.path[0]]\n",
+    );
+    // From another directory: the node's own is what counts.
+    let output = Command::new(ZYGOTE)
+        .args(["sweep"])
+        .arg(&user)
+        .args(["--grid", "x=1"])
+        .current_dir("/")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let real = std::fs::canonicalize(&dir).unwrap();
+    assert_eq!(
+        lines(&output)[0]["result"],
+        json!([42, real.to_string_lossy()])
+    );
+    let output = Command::new(ZYGOTE)
+        .args(["run"])
+        .arg(&user)
+        .args(["-k", "x=1"])
+        .current_dir("/")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(
+        serde_json::from_slice::<Value>(&output.stdout).unwrap(),
+        json!([42, real.to_string_lossy()])
+    );
+}
+
+#[test]
+fn a_result_json_cannot_carry_is_named_down_to_the_value() {
+    let dir = scratch("notjson");
+    let bad = node(
+        &dir,
+        "bad.py",
+        "def process(x):\n    if x == 1:\n        return {'loss': float('nan')}\n    return {'a': [1, 2, {3}]}\n",
+    );
+    let output = sweep(&bad, &["--grid", "x=0,1"]);
+    assert_eq!(output.status.code(), Some(1));
+    let lines = lines(&output);
+    let message = lines[0]["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(
+            r#"returned dict, which cannot be sent back as JSON: result["a"][2] is a set"#
+        ),
+        "{message}"
+    );
+    let message = lines[1]["error"]["message"].as_str().unwrap();
+    assert!(message.contains(r#"result["loss"] is nan"#), "{message}");
+
+    let output = zygote("run", &bad, &["-k", "x=0"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(output.stdout.is_empty());
+    assert!(
+        stderr(&output).contains(r#"result["a"][2] is a set"#),
+        "{}",
+        stderr(&output)
+    );
+}
+
+#[test]
+fn run_prints_the_result_or_the_traceback_and_exits_by_it() {
+    let output = zygote(
+        "run",
+        &example(),
+        &["-k", "x=3", "--kwargs", r#"{"offset": 1}"#],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(
+        serde_json::from_slice::<Value>(&output.stdout).unwrap(),
+        json!({"x": 3, "square": 10})
+    );
+    let dir = scratch("runfail");
+    let raising = node(
+        &dir,
+        "raising.py",
+        "def process(x):\n    print('about to fail')\n    raise KeyError(x)\n",
+    );
+    let output = zygote("run", &raising, &["-k", "x=name"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(output.stdout.is_empty());
+    let text = stderr(&output);
+    assert!(text.contains("about to fail\n"), "{text}");
+    assert!(
+        text.contains("Traceback (most recent call last):") && text.contains("KeyError: 'name'"),
+        "{text}"
+    );
+    let crashing = node(
+        &dir,
+        "crashing.py",
+        "import os\ndef process():\n    os._exit(3)\n",
+    );
+    let output = zygote("run", &crashing, &[]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        stderr(&output).contains("exited with code 3"),
+        "{}",
+        stderr(&output)
+    );
+    refused(
+        &zygote("run", &example(), &["-k", "novalue"]),
+        &["expected NAME=VALUE"],
+    );
+    let broken = node(&dir, "broken.py", "def process(:\n");
+    refused(
+        &zygote("run", &broken, &[]),
+        &["the node does not load: SyntaxError"],
+    );
+}
+
+#[test]
+fn run_shows_what_the_node_prints_while_it_runs() {
+    let dir = scratch("live");
+    let gate = dir.join("go");
+    let waiting = node(
+        &dir,
+        "waiting.py",
+        &format!(
+            "import os, time\ndef process():\n    print('waiting for the gate')\n    while not os.path.exists({:?}):\n        time.sleep(0.01)\n    return 'through'\n",
+            gate.to_string_lossy()
+        ),
+    );
+    let mut child = Command::new(ZYGOTE)
+        .arg("run")
+        .arg(&waiting)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    // The print arrives while the call still waits: only then is the gate opened.
+    stderr.read_line(&mut line).unwrap();
+    assert_eq!(line, "waiting for the gate\n");
+    std::fs::write(&gate, "").unwrap();
+    let mut stdout = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    assert_eq!(stdout, "\"through\"\n");
+}
+
+#[test]
+fn what_a_node_writes_to_fd_1_never_mixes_with_the_results() {
+    let dir = scratch("fd1");
+    let noisy = node(
+        &dir,
+        "noisy.py",
+        "import os, subprocess\ndef process(x):\n    os.write(1, b'raw to fd 1\\n')\n    subprocess.run(['echo', 'from a subprocess'])\n    return x\n",
+    );
+    let output = sweep(&noisy, &["--grid", "x=0..3"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(lines(&output).len(), 4, "stdout holds only result lines");
+    assert!(stderr(&output).contains("raw to fd 1"));
+    let output = zygote("run", &noisy, &["-k", "x=7"]);
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "7\n");
+    assert!(stderr(&output).contains("from a subprocess"));
+}
+
+/// A node that takes Ctrl-C for itself, in the zygote and in its calls.
+const STUBBORN: &str = "import os, signal, subprocess, time
+signal.signal(signal.SIGINT, lambda *a: print('the node got SIGINT'))
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+DIR = {dir:?}
+def process(x):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if x < 3:
+        return x
+    open(os.path.join(DIR, f'started-{x}'), 'w').close()
+    subprocess.Popen(['sleep', '600'])
+    time.sleep(600)
+";
+
+#[test]
+fn ctrl_c_ends_the_calls_flushes_and_summarises_whatever_the_node_did_with_signals() {
+    let dir = scratch("sigint");
+    let stubborn = node(
+        &dir,
+        "stubborn.py",
+        &STUBBORN.replace("{dir:?}", &format!("{:?}", dir.to_string_lossy())),
+    );
+    let child = Command::new(ZYGOTE)
+        .arg("sweep")
+        .arg(&stubborn)
+        .args(["--grid", "x=0..9", "-j", "2"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    // Calls 0..2 return at once; 3 and 4 then hold both slots.
+    wait_for_file(&dir.join("started-3"));
+    wait_for_file(&dir.join("started-4"));
+    let in_flight = descendants(pid);
+    assert!(!in_flight.is_empty());
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let output = exit_within(child, "SIGINT");
+    assert_eq!(output.status.code(), Some(130), "{}", stderr(&output));
+    let lines = lines(&output);
+    let done: Vec<Value> = lines.iter().map(|l| l["result"].clone()).collect();
+    assert_eq!(
+        done,
+        vec![json!(0), json!(1), json!(2)],
+        "the results so far"
+    );
+    let text = stderr(&output);
+    assert!(
+        text.contains(
+            "sweep: stopped by SIGINT after 3 of 10 calls (2 in flight ended, 5 not started)"
+        ),
+        "{text}"
+    );
+    for pid in in_flight {
+        assert!(wait_gone(pid, PATIENCE), "process {pid} outlived the sweep");
+    }
+}
+
+#[test]
+fn ctrl_c_ends_a_run_with_130() {
+    let dir = scratch("runsigint");
+    let stubborn = node(
+        &dir,
+        "stubborn.py",
+        &STUBBORN.replace("{dir:?}", &format!("{:?}", dir.to_string_lossy())),
+    );
+    let child = Command::new(ZYGOTE)
+        .arg("run")
+        .arg(&stubborn)
+        .args(["-k", "x=5"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    wait_for_file(&dir.join("started-5"));
+    let in_flight = descendants(pid);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let output = exit_within(child, "SIGINT");
+    assert_eq!(output.status.code(), Some(130), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("stopped by SIGINT"),
+        "{}",
+        stderr(&output)
+    );
+    for pid in in_flight {
+        assert!(wait_gone(pid, PATIENCE), "process {pid} outlived the run");
+    }
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_the_sweep_quietly() {
+    let mut child = Command::new(ZYGOTE)
+        .arg("sweep")
+        .arg(example())
+        .args(["--grid", "x=0..999999", "-j", "2"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    for _ in 0..3 {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(line.starts_with("{\"index\": "), "{line}");
+    }
+    let in_flight = descendants(pid);
+    drop(stdout);
+    // A million calls would take many minutes: ending at all is ending at once.
+    let output = exit_within(child, "a closed stdout");
+    assert_eq!(output.status.code(), Some(141));
+    assert!(output.stderr.is_empty(), "quietly: {}", stderr(&output));
+    for pid in in_flight {
+        assert!(wait_gone(pid, PATIENCE), "process {pid} outlived the sweep");
+    }
+}
+
+#[test]
+fn help_shows_the_options_grouped_with_examples_and_exit_codes() {
+    for command in ["run", "sweep"] {
+        let output = Command::new(ZYGOTE)
+            .args([command, "--help"])
+            .output()
+            .unwrap();
+        let help = String::from_utf8_lossy(&output.stdout);
+        for word in [
+            "Examples:",
+            "Exit codes:",
+            "130",
+            "Zygote:",
+            "--preload",
+            "-k <NAME=VALUE>",
+        ] {
+            assert!(
+                help.contains(word),
+                "{command} --help mentions {word}:\n{help}"
+            );
+        }
+    }
+    let output = Command::new(ZYGOTE)
+        .args(["sweep", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&output.stdout);
+    for word in ["Calls:", "--grid", "--input", "--output", "--jobs"] {
+        assert!(help.contains(word), "sweep --help mentions {word}:\n{help}");
+    }
+}
