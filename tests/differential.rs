@@ -403,7 +403,7 @@ fn shorten(text: &str) -> String {
 
 #[test]
 fn every_case_matches_the_reference_field_for_field() {
-    every_case_matches(&[], &[]);
+    every_case_matches(&[], &[], &[]);
 }
 
 /// Through pool slots sharing one zygote (every case's slot shares it,
@@ -417,6 +417,9 @@ fn every_case_matches_the_reference_through_slots_of_a_shared_zygote() {
             ("FLUKSIO_TEST_SCOPE", "differential"),
             ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "2"),
         ],
+        // By design a shared zygote holds the nodes every slot compiled:
+        // `sys.modules` lists theirs too (PROTOCOL-NOTES, "pool slots").
+        &["module naming"],
     );
 }
 
@@ -424,11 +427,14 @@ fn every_case_matches_the_reference_through_slots_of_a_shared_zygote() {
 /// `worker_main.py` does: the same replies.
 #[test]
 fn every_case_matches_the_reference_with_a_child_per_node() {
-    every_case_matches(&["--isolation", "node"], &[]);
+    every_case_matches(&["--isolation", "node"], &[], &[]);
 }
 
-fn every_case_matches(args: &[&str], env: &[(&str, &str)]) {
-    let cases = corpus();
+fn every_case_matches(args: &[&str], env: &[(&str, &str)], differ_by_design: &[&str]) {
+    let cases: Vec<Case> = corpus()
+        .into_iter()
+        .filter(|case| !differ_by_design.contains(&case.name))
+        .collect();
     // Two at a time: each case starts a reference and a zygote of its own.
     let failures: Vec<String> = std::thread::scope(|scope| {
         let chunks: Vec<&[Case]> = cases.chunks(cases.len().div_ceil(2)).collect();

@@ -194,6 +194,12 @@ pub fn run(options: AgentOptions) -> ExitCode {
         eprintln!("fluksio-zygote agent: {why}");
         return ExitCode::from(2);
     }
+    if options.zygote.isolation == crate::zygote::resident::Isolation::Node {
+        tracing::warn!(
+            "--isolation node is served by `worker` (the pool's drop-in); the agent runs every \
+             call in a fresh child, so that each can be cancelled alone"
+        );
+    }
     // The token stays in this process's memory only: what node code (the
     // same user) could read of this process, its environment and its
     // command line, no longer holds it.
