@@ -221,7 +221,7 @@ fn in_a_sweep_one_point_cannot_kill_or_forge_another_in_flight() {
     );
     for point in &points {
         assert_eq!(point["ok"], true, "{point}");
-        if point["point"]["x"] == 0 {
+        if point["kwargs"]["x"] == 0 {
             assert_eq!(point["result"], "A", "the victim survived: {point}");
         } else {
             assert_reached_nothing(&point["result"]);

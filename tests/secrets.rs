@@ -176,7 +176,7 @@ fn sweep_mode_hides_the_token_and_the_credentials() {
         .collect();
     assert_eq!(points.len(), 3, "{stdout}");
     for point in &points {
-        if point["point"]["x"] == 2 {
+        if point["kwargs"]["x"] == 2 {
             assert_eq!(point["ok"], false, "{point}");
         } else {
             assert_eq!(point["result"], clean(), "{point}");
