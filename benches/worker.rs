@@ -21,15 +21,16 @@ mod support;
 
 use support::{ZYGOTE, flag, python};
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-const REFERENCE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../shared/reference/fluksio_worker/worker_main.py"
-);
+use fluksio_zygote::bench::driver::LineWorker;
+use fluksio_zygote::bench::reference::Reference;
+use fluksio_zygote::bench::{Side, Stats, factor_text, floor, ms, procfs, winner};
+
+/// The directory holding `fluksio_worker/worker_main.py`.
+const REFERENCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/reference");
 
 struct Scenario {
     name: &'static str,
@@ -54,22 +55,39 @@ fn main() {
     let calls = flag("--calls", 2000);
     let fresh_calls = flag("--fresh-calls", 100);
     let python = python();
+    let reference = Reference {
+        dir: PathBuf::from(REFERENCE),
+        python: python.clone(),
+    };
     println!(
         "calls per row: {calls} ({fresh_calls} for fresh processes); python: {}",
         python.display()
     );
     println!();
-    println!("| scenario | served by | p50 ms | p99 ms | mean ms | (c) faster by |");
+    println!("| scenario | served by | p50 ms | p99 ms | mean ms | against (c) |");
     println!("| --- | --- | ---: | ---: | ---: | ---: |");
     for scenario in &SCENARIOS {
-        let ours = Worker::zygote(scenario.preload);
-        let anon_kib = ours.anon_kib();
-        let ours = ours.measure(scenario.source, calls);
-        let reused = Worker::reference(&python).measure(scenario.source, calls);
-        let fresh = fresh_per_call(&python, scenario.source, fresh_calls);
+        let worker = ours(scenario.preload, scenario.source);
+        let anon_kib = procfs::anon_kib(worker.pid()).expect("RssAnon") as usize;
+        let ours = measure(worker, scenario.source, calls);
+        let reused = measure(
+            started(reference.command().expect("the reference"), scenario.source),
+            scenario.source,
+            calls,
+        );
+        let fresh = fresh_per_call(&reference, scenario.source, fresh_calls);
         let floor = fork_floor(anon_kib, calls);
         let python_fork = python_fork(&python, scenario.preload, calls);
-        let ratio = |other: &Stats| other.p50.as_secs_f64() / ours.p50.as_secs_f64();
+        // Read the right way round: "(c) is 55× faster", "(a) is 23× faster".
+        let against = |label: &str, other: &Stats| {
+            let tag = label.split(' ').next().unwrap_or(label);
+            match winner(ms(ours.p50), ms(other.p50), true) {
+                _ if tag == "(c)" => "—".to_string(),
+                Some((Side::This, f)) => format!("(c) is {}× faster", factor_text(f)),
+                Some((Side::Other, f)) => format!("{tag} is {}× faster", factor_text(f)),
+                None => String::new(),
+            }
+        };
         let rows = [
             ("(a) reused `worker_main.py`", &reused),
             ("(b) fresh `worker_main.py` per call", &fresh),
@@ -77,12 +95,12 @@ fn main() {
         ];
         for (label, stats) in rows {
             println!(
-                "| {} | {label} | {:.3} | {:.3} | {:.3} | {:.1}× |",
+                "| {} | {label} | {:.3} | {:.3} | {:.3} | {} |",
                 scenario.name,
                 ms(stats.p50),
                 ms(stats.p99),
                 ms(stats.mean),
-                ratio(stats)
+                against(label, stats)
             );
         }
         println!(
@@ -120,180 +138,53 @@ fn python_fork(python: &PathBuf, preload: &str, calls: usize) -> Stats {
         .args(["-c", &script])
         .output()
         .expect("python runs");
-    let samples = String::from_utf8_lossy(&output.stdout)
+    let samples: Vec<Duration> = String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|l| l.parse::<f64>().ok())
         .map(Duration::from_secs_f64)
         .collect();
-    Stats::of(samples)
+    Stats::of(&samples).expect("samples")
 }
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
+/// A worker with the trivial node compiled (which also waits for its
+/// preloads), the bench subcommand's client: `fluksio_zygote::bench::driver`.
+fn started(mut command: Command, source: &str) -> LineWorker {
+    command.env("RUST_LOG", "warn");
+    let log = std::env::temp_dir().join(format!("bench-worker-{}.log", std::process::id()));
+    let mut worker = LineWorker::spawn(command, &log).expect("the worker starts");
+    worker.compile("n", source).expect("the node compiles");
+    worker
 }
 
-struct Stats {
-    p50: Duration,
-    p99: Duration,
-    mean: Duration,
+fn ours(preload: &str, source: &str) -> LineWorker {
+    let mut command = Command::new(ZYGOTE);
+    command.arg("worker");
+    if !preload.is_empty() {
+        command.args(["--preload", preload]);
+    }
+    started(command, source)
 }
 
-impl Stats {
-    fn of(mut samples: Vec<Duration>) -> Stats {
-        samples.sort_unstable();
-        let at = |q: f64| {
-            samples[((q * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1]
-        };
-        Stats {
-            p50: at(0.5),
-            p99: at(0.99),
-            mean: samples.iter().sum::<Duration>() / samples.len() as u32,
-        }
-    }
-}
-
-/// A long-lived worker process and its pipes.
-struct Worker {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Worker {
-    fn zygote(preload: &str) -> Worker {
-        let mut command = Command::new(ZYGOTE);
-        command.arg("worker");
-        if !preload.is_empty() {
-            command.args(["--preload", preload]);
-        }
-        Worker::spawn(command)
-    }
-
-    fn reference(python: &PathBuf) -> Worker {
-        let mut command = Command::new(python);
-        command.arg(REFERENCE);
-        Worker::spawn(command)
-    }
-
-    fn spawn(mut command: Command) -> Worker {
-        let mut child = command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the worker starts");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut worker = Worker {
-            child,
-            stdin,
-            stdout,
-        };
-        // Answering one request means it has started (and preloaded).
-        worker.call(r#"{"id":0,"op":"compile","flow":"b","node":"warm","source":"def process():\n    return 0\n"}"#);
-        worker
-    }
-
-    fn call(&mut self, request: &str) -> String {
-        writeln!(self.stdin, "{request}").expect("request written");
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).expect("reply read");
-        assert!(line.contains(r#""ok": true"#), "a failed call: {line}");
-        line
-    }
-
-    /// Anonymous resident memory of the worker process, in KiB.
-    fn anon_kib(&self) -> usize {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("status");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("RssAnon:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("RssAnon")
-    }
-
-    fn measure(mut self, source: &str, calls: usize) -> Stats {
-        let source = serde_json::to_string(source).expect("a string");
-        self.call(&format!(
-            r#"{{"id":1,"op":"compile","flow":"b","node":"n","source":{source}}}"#
-        ));
-        let mut samples = Vec::with_capacity(calls);
-        for i in 0..calls {
-            let request = format!(
-                r#"{{"id":{i},"op":"run","flow":"b","node":"n","source":{source},"kwargs":{{"x":{i}}}}}"#
-            );
-            let start = Instant::now();
-            self.call(&request);
-            samples.push(start.elapsed());
-        }
-        drop(self.stdin);
-        let _ = self.child.wait();
-        Stats::of(samples)
-    }
+fn measure(mut worker: LineWorker, source: &str, calls: usize) -> Stats {
+    let samples = worker
+        .time_calls("n", source, calls, Duration::ZERO)
+        .expect("the calls succeed");
+    worker.close();
+    Stats::of(&samples).expect("samples")
 }
 
 /// agent.py's way: a new interpreter per call, which imports everything.
-fn fresh_per_call(python: &PathBuf, source: &str, calls: usize) -> Stats {
-    let source = serde_json::to_string(source).expect("a string");
-    let mut samples = Vec::with_capacity(calls);
-    for i in 0..calls {
-        let request = format!(
-            r#"{{"id":{i},"op":"run","flow":"b","node":"n","source":{source},"kwargs":{{"x":{i}}}}}"#
-        );
-        let start = Instant::now();
-        let mut child = Command::new(python)
-            .arg(REFERENCE)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python starts");
-        let mut stdin = child.stdin.take().expect("stdin");
-        writeln!(stdin, "{request}").expect("request written");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("reply read");
-        samples.push(start.elapsed());
-        assert!(line.contains(r#""ok": true"#), "a failed call: {line}");
-        drop(stdin);
-        let _ = child.wait();
-    }
-    Stats::of(samples)
+fn fresh_per_call(reference: &Reference, source: &str, calls: usize) -> Stats {
+    let log = std::env::temp_dir().join(format!("bench-fresh-{}.log", std::process::id()));
+    let samples = reference
+        .spawn_per_call(&log, source, calls)
+        .expect("the calls succeed");
+    Stats::of(&samples).expect("samples")
 }
 
-/// fork + `_exit` + `waitpid` of this process holding `anon_kib` of touched
-/// anonymous memory in 4 KiB pages (`MADV_NOHUGEPAGE`: pymalloc's arenas
-/// are too small for huge pages, so the zygote's heap is 4 KiB pages too).
+/// fork + `_exit` + `waitpid` of this (single-threaded) process holding
+/// `anon_kib` of touched anonymous memory in 4 KiB pages: the bench
+/// subcommand's floor, `fluksio_zygote::bench::floor`.
 fn fork_floor(anon_kib: usize, calls: usize) -> Stats {
-    let bytes = anon_kib * 1024;
-    // SAFETY: a fresh private anonymous mapping, touched, then forked; the
-    // child only calls _exit.
-    unsafe {
-        let memory = libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        assert_ne!(memory, libc::MAP_FAILED);
-        libc::madvise(memory, bytes, libc::MADV_NOHUGEPAGE);
-        std::ptr::write_bytes(memory.cast::<u8>(), 1, bytes);
-        let mut samples = Vec::with_capacity(calls);
-        for _ in 0..calls {
-            let start = Instant::now();
-            let pid = libc::fork();
-            if pid == 0 {
-                libc::_exit(0);
-            }
-            let mut status = 0;
-            libc::waitpid(pid, &mut status, 0);
-            samples.push(start.elapsed());
-        }
-        // Keep the memory observably used until after the loop.
-        std::hint::black_box(memory);
-        libc::munmap(memory, bytes);
-        Stats::of(samples)
-    }
+    Stats::of(&floor::cycles(anon_kib, calls)).expect("samples")
 }

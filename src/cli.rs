@@ -68,6 +68,127 @@ enum Command {
                             FLUKSIO_ARTIFACT_CACHE)."
     )]
     Fetch(FetchArgs),
+    /// Compare ways of running calls side by side (issue 8's matrix): the reference pool,
+    /// spawn per call, ours, the C fork floor; a Markdown table and a PNG chart
+    #[command(after_help = BENCH_AFTER_HELP)]
+    Bench(BenchArgs),
+}
+
+/// `bench --help`, after the options.
+const BENCH_AFTER_HELP: &str = "The baselines run from the reference files: --reference is the \
+     directory that holds fluksio_worker/worker_main.py (and, for the rows through the engine's \
+     own client, fluksio/flow/workers.py). Against an installed fluksio-worker, point it at \
+     site-packages: `--reference $(python -c 'import fluksio_worker, os; \
+     print(os.path.dirname(os.path.dirname(fluksio_worker.__file__)))')`.\n\n\
+     Examples:\n  fluksio-zygote bench --preload numpy\n  \
+     fluksio-zygote bench --preload numpy,pandas,scipy.stats --out bench-results\n  \
+     fluksio-zygote bench --quick   # every row, fewer calls: a minute or two";
+
+/// `bench`: issue 8's comparison matrix.
+#[derive(Args)]
+struct BenchArgs {
+    /// Modules the node imports and ours preloads (comma-separated)
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "MODULES",
+        default_value = "numpy"
+    )]
+    preload: Vec<String>,
+
+    /// The interpreter of both sides [default: the one this binary was built against]
+    #[arg(long, value_name = "PATH")]
+    python: Option<PathBuf>,
+
+    /// The directory holding fluksio_worker/worker_main.py
+    #[arg(long, value_name = "DIR", default_value_os_t = crate::bench::default_reference())]
+    reference: PathBuf,
+
+    /// Where the table (bench-PRELOAD.md) and the chart (bench-PRELOAD.png) are written
+    #[arg(long, value_name = "DIR", default_value = "bench-results")]
+    out: PathBuf,
+
+    /// Fewer calls everywhere (and a 100 MB big node): every row in a minute or two
+    #[arg(long)]
+    quick: bool,
+
+    /// Calls of (5), the sweep [default: 10000; 1000 with --quick]
+    #[arg(long, value_name = "N")]
+    calls: Option<usize>,
+
+    /// Sequential calls per row of (1) and (6) [default: 1000; 200 with --quick]
+    #[arg(long, value_name = "N")]
+    latency_calls: Option<usize>,
+
+    /// Fresh processes per spawn-per-call row [default: 20; 5 with --quick]
+    #[arg(long, value_name = "N")]
+    spawn_calls: Option<usize>,
+
+    /// Kills per row of (3) [default: 10; 3 with --quick]
+    #[arg(long, value_name = "N")]
+    kills: Option<usize>,
+
+    /// MB of module-level Python objects of (6)'s big node [default: 400; 100 with --quick]
+    #[arg(long, value_name = "MB")]
+    big_mb: Option<usize>,
+
+    /// MB of the numpy array each of (4)'s 8 calls holds
+    #[arg(long, value_name = "MB", default_value_t = 50)]
+    array_mb: usize,
+
+    /// The --standby of the "more standby children" rows
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    standby: usize,
+
+    /// (internal) Be a fork-floor process holding this many KiB
+    #[arg(long, hide = true)]
+    floor_kib: Option<usize>,
+
+    /// (internal) The fork-floor process's cycles
+    #[arg(long, hide = true, default_value_t = 1000)]
+    floor_calls: usize,
+}
+
+impl BenchArgs {
+    fn run(self) -> ExitCode {
+        if let Some(kib) = self.floor_kib {
+            return crate::bench::floor::child_main(kib, self.floor_calls);
+        }
+        let base = if self.quick {
+            crate::bench::Counts::QUICK
+        } else {
+            crate::bench::Counts::DEFAULT
+        };
+        let counts = crate::bench::Counts {
+            latency: self.latency_calls.unwrap_or(base.latency).max(1),
+            spawn: self.spawn_calls.unwrap_or(base.spawn).max(1),
+            kills: self.kills.unwrap_or(base.kills).max(1),
+            throughput: self.latency_calls.map_or(base.throughput, |n| 2 * n).max(2),
+            sweep: self.calls.unwrap_or(base.sweep).max(2),
+            big_mb: self.big_mb.unwrap_or(base.big_mb).max(1),
+            array_mb: self.array_mb.max(1),
+        };
+        crate::bench::run(&crate::bench::BenchOptions {
+            preload: self
+                .preload
+                .iter()
+                .map(|m| m.trim().to_string())
+                .filter(|m| !m.is_empty())
+                .collect(),
+            python_given: self.python.is_some(),
+            python: self
+                .python
+                .unwrap_or_else(|| PathBuf::from(crate::zygote::interpreter::BUILD_PYTHON)),
+            reference: self.reference,
+            out: self.out,
+            counts,
+            standby: self.standby,
+            command_line: std::env::args()
+                .map(|a| if a.contains(' ') { format!("'{a}'") } else { a })
+                .collect::<Vec<_>>()
+                .join(" "),
+        })
+    }
 }
 
 /// `agent --help`, after the options.
@@ -458,6 +579,7 @@ pub fn main() -> ExitCode {
             }
         }
         Command::Fetch(args) => fetch(&args.digest),
+        Command::Bench(args) => args.run(),
         Command::Agent(args) => crate::agent::run(crate::agent::AgentOptions {
             url: args.url,
             token: args.token,
@@ -524,7 +646,10 @@ impl Command {
             Command::Run(args) => Some(&args.zygote),
             Command::Agent(args) => Some(&args.zygote),
             Command::Zygote(args) => Some(&args.zygote),
-            Command::Warden { .. } | Command::Fetch(_) | Command::MetricsServer => None,
+            Command::Warden { .. }
+            | Command::Fetch(_)
+            | Command::MetricsServer
+            | Command::Bench(_) => None,
         }
     }
 }

@@ -138,7 +138,12 @@ pub struct FloorRun {
 
 /// Runs `processes` floor processes at once (`exe bench --floor-kib …`),
 /// `calls` cycles in all, and gathers what they measured.
-pub fn run(exe: &Path, anon_kib: usize, calls: usize, processes: usize) -> Result<FloorRun, String> {
+pub fn run(
+    exe: &Path,
+    anon_kib: usize,
+    calls: usize,
+    processes: usize,
+) -> Result<FloorRun, String> {
     let processes = processes.max(1);
     let per = calls.div_ceil(processes).max(1);
     let mut children = Vec::new();

@@ -71,7 +71,9 @@ impl Scenario {
             Scenario::PoolBackToBack => {
                 "(1) through the engine's PythonWorkerPool (size 1), back to back"
             }
-            Scenario::PoolSpaced => "(1) through the engine's PythonWorkerPool (size 1), spaced 5 ms",
+            Scenario::PoolSpaced => {
+                "(1) through the engine's PythonWorkerPool (size 1), spaced 5 ms"
+            }
             Scenario::Throughput => "(2) trivial calls, 2 in flight",
             Scenario::AfterKill => "(3) the next call after a kill",
             Scenario::Pss => "(4) total PSS, 8 calls at once each holding a numpy array",
@@ -116,7 +118,10 @@ pub enum Server {
     /// Many pool slots sharing one zygote.
     SharedZygote,
     /// The C fork floor, with this many forking processes.
-    Floor { anon_kib: u64, processes: usize },
+    Floor {
+        anon_kib: u64,
+        processes: usize,
+    },
 }
 
 impl Server {
@@ -134,13 +139,23 @@ impl Server {
                 processes,
             } => {
                 let mib = anon_kib as f64 / 1024.0;
-                if processes > 1 {
+                if anon_kib == 0 {
+                    "C fork floor".into()
+                } else if processes > 1 {
                     format!("C fork floor, {processes} processes, {mib:.0} MiB anonymous each")
                 } else {
                     format!("C fork floor, {mib:.0} MiB anonymous")
                 }
             }
         }
+    }
+
+    /// Whether it is this binary.
+    pub fn is_ours(self) -> bool {
+        matches!(
+            self,
+            Server::Ours(_) | Server::OursRestarted | Server::SharedZygote
+        )
     }
 
     /// A short name, for the chart.
@@ -165,7 +180,10 @@ pub enum Metric {
     /// Calls per second.
     Rate(f64),
     /// Total PSS in KiB, of this many processes.
-    Pss { kib: u64, processes: usize },
+    Pss {
+        kib: u64,
+        processes: usize,
+    },
 }
 
 impl Metric {
@@ -303,7 +321,13 @@ fn latency(samples: Result<Vec<Duration>, String>) -> Result<Metric, String> {
 }
 
 impl Context<'_> {
-    fn push(&mut self, scenario: Scenario, server: Server, outcome: Result<Metric, String>, note: impl Into<String>) {
+    fn push(
+        &mut self,
+        scenario: Scenario,
+        server: Server,
+        outcome: Result<Metric, String>,
+        note: impl Into<String>,
+    ) {
         let row = Row {
             scenario,
             server,
@@ -317,7 +341,11 @@ impl Context<'_> {
                 server.label(),
                 metric.value()
             ),
-            Err(why) => eprintln!("bench: {} | {}: not run: {why}", scenario.title(), server.label()),
+            Err(why) => eprintln!(
+                "bench: {} | {}: not run: {why}",
+                scenario.title(),
+                server.label()
+            ),
         }
         self.rows.push(row);
     }
@@ -346,9 +374,15 @@ impl Context<'_> {
             processes,
         };
         if self.anon_kib.is_none() {
-            return (server, Err("our zygote's size is unknown: its row did not run".into()));
+            return (
+                server,
+                Err("our zygote's size is unknown: its row did not run".into()),
+            );
         }
-        (server, floor::run(&self.exe, kib as usize, calls, processes))
+        (
+            server,
+            floor::run(&self.exe, kib as usize, calls, processes),
+        )
     }
 
     /// (1): back to back and spaced 5 ms, through this process's client.
@@ -382,10 +416,11 @@ impl Context<'_> {
                 later.push((Server::Pool, Err(why)));
             }
         }
-        let spawn = latency(
-            self.reference
-                .spawn_per_call(&self.log("spawn"), &source, self.options.counts.spawn),
-        );
+        let spawn = latency(self.reference.spawn_per_call(
+            &self.log("spawn"),
+            &source,
+            self.options.counts.spawn,
+        ));
         self.spawn = spawn.as_ref().ok().copied();
         self.push(
             Scenario::BackToBack,
@@ -401,7 +436,8 @@ impl Context<'_> {
                     worker.time_calls("n", &source, WARM_CALLS, Duration::ZERO)?;
                     let anon = procfs::anon_kib(worker.pid())?;
                     let before = procfs::Usage::of(worker.pid())?;
-                    let back_to_back = latency(worker.time_calls("n", &source, calls, Duration::ZERO));
+                    let back_to_back =
+                        latency(worker.time_calls("n", &source, calls, Duration::ZERO));
                     let profile = procfs::Usage::of(worker.pid())
                         .map(|after| before.per_call(&after, calls))
                         .unwrap_or_default();
@@ -462,7 +498,11 @@ impl Context<'_> {
             (Scenario::PoolSpaced, (calls / 2).max(1), SPACING),
         ] {
             for (server, interpreter, env) in &servers {
-                let outcome = latency(self.reference.through_pool(interpreter, env, &source, count, spacing));
+                let outcome =
+                    latency(
+                        self.reference
+                            .through_pool(interpreter, env, &source, count, spacing),
+                    );
                 let note = match server {
                     Server::Pool => "PythonWorkerPool(python)".to_string(),
                     _ => "PythonWorkerPool(fluksio-zygote), flags from the environment".to_string(),
@@ -510,7 +550,12 @@ impl Context<'_> {
                 .clone()
                 .and_then(|node| self.ours.sweep_rate(variant, &node, calls, IN_FLIGHT))
                 .map(Metric::Rate);
-            self.push(scenario, Server::Ours(variant), rate, "`sweep -j 2`: one zygote, 2 calls in flight");
+            self.push(
+                scenario,
+                Server::Ours(variant),
+                rate,
+                "`sweep -j 2`: one zygote, 2 calls in flight",
+            );
         }
         let rate = self.pool_rate(Server::Ours(Variant::Node), &source, calls);
         self.push(
@@ -543,7 +588,9 @@ impl Context<'_> {
         std::thread::scope(|scope| {
             let handles: Vec<_> = workers
                 .iter_mut()
-                .map(|worker| scope.spawn(move || worker.time_calls("n", source, per, Duration::ZERO)))
+                .map(|worker| {
+                    scope.spawn(move || worker.time_calls("n", source, per, Duration::ZERO))
+                })
                 .collect();
             for handle in handles {
                 handle.join().expect("a client thread")?;
@@ -567,61 +614,73 @@ impl Context<'_> {
     /// (3): a call running, SIGKILLed; time from the kill to the next
     /// call's reply.
     fn after_kill(&mut self) {
-        self.after_kill_of(Scenario::AfterKill);
+        self.after_kill_of(Scenario::AfterKill, self.spawn);
     }
 
-    fn after_kill_of(&mut self, scenario: Scenario) {
+    /// `spawn`: the spawn-per-call figure of the same preloads, which is
+    /// also its figure after a kill.
+    fn after_kill_of(&mut self, scenario: Scenario, spawn: Option<Metric>) {
         let kills = self.options.counts.kills;
         let source = self.killable();
         let json = driver::json_string(&source);
         // The pool: the worker is the call's process; its kill() is a
         // SIGKILL, and the next call on the slot spawns a new one, which
         // `_warm` compiles before the run.
-        let pool = self.restarts(kills, &source, |log| self.reference.reused(log, "k", &source));
+        let pool = self.restarts(kills, &source, |log| {
+            self.reference.reused(log, "k", &source)
+        });
         self.push(
             scenario,
             Server::Pool,
             pool,
             "SIGKILL of worker_main.py; spawn, compile, run: the next reply",
         );
-        match (scenario, self.spawn) {
-            (Scenario::AfterKill, Some(spawn)) => self.push(
+        match spawn {
+            Some(spawn) => self.push(
                 scenario,
                 Server::Spawn,
                 Ok(spawn),
-                "every call is a fresh process: (1)'s figure",
+                "every call is a fresh process: the spawn-per-call row's figure",
             ),
-            _ => self.push(
+            None => self.push(
                 scenario,
                 Server::Spawn,
-                Err("its (1) row did not run".into()),
+                Err("its spawn-per-call row did not run".into()),
                 "",
             ),
         }
         for variant in self.our_variants() {
-            let outcome = self.ours.worker(variant, &self.log("kill"), "k", &source).and_then(|mut worker| {
-                worker.time_calls("k", &source, WARM_CALLS, Duration::ZERO)?;
-                let mut samples = Vec::new();
-                for i in 0..kills {
-                    let pid = hang(&mut worker, &json)?;
-                    std::thread::sleep(RUN_BEFORE_KILL);
-                    let started = Instant::now();
-                    // SAFETY: kill(2) of the call's child, as the agent's
-                    // cancel does (through a pidfd there).
-                    unsafe {
-                        libc::kill(pid, libc::SIGKILL);
+            let outcome = self
+                .ours
+                .worker(variant, &self.log("kill"), "k", &source)
+                .and_then(|mut worker| {
+                    worker.time_calls("k", &source, WARM_CALLS, Duration::ZERO)?;
+                    let mut samples = Vec::new();
+                    for i in 0..kills {
+                        let pid = hang(&mut worker, &json)?;
+                        std::thread::sleep(RUN_BEFORE_KILL);
+                        let started = Instant::now();
+                        // SAFETY: kill(2) of the call's child, as the agent's
+                        // cancel does (through a pidfd there).
+                        unsafe {
+                            libc::kill(pid, libc::SIGKILL);
+                        }
+                        let reply = worker.reply()?;
+                        if driver::is_ok(&reply) {
+                            return Err(format!("the killed call replied ok: {reply}"));
+                        }
+                        let id = worker.next_id();
+                        worker.call(&driver::run_request(
+                            id,
+                            "k",
+                            &json,
+                            &format!(r#"{{"x":{i}}}"#),
+                        ))?;
+                        samples.push(started.elapsed());
                     }
-                    let reply = worker.reply()?;
-                    if driver::is_ok(&reply) {
-                        return Err(format!("the killed call replied ok: {reply}"));
-                    }
-                    let id = worker.next_id();
-                    worker.call(&driver::run_request(id, "k", &json, &format!(r#"{{"x":{i}}}"#)))?;
-                    samples.push(started.elapsed());
-                }
-                worker.close();
-                latency(Ok(samples))
-            });
+                    worker.close();
+                    latency(Ok(samples))
+                });
             self.push(
                 scenario,
                 Server::Ours(variant),
@@ -629,12 +688,21 @@ impl Context<'_> {
                 "SIGKILL of the call's child, as the agent's cancel does; the next call's reply",
             );
         }
-        let restarted = self.restarts(kills, &source, |log| self.ours.worker(Variant::Call, log, "k", &source));
+        let restarted = self.restarts(kills, &source, |log| {
+            self.ours.worker(Variant::Call, log, "k", &source)
+        });
         self.push(
             scenario,
             Server::OursRestarted,
             restarted,
             "what the pool does with ours today: SIGKILL of the `worker` it spawned; spawn, compile, run",
+        );
+        let slot = self.restarts(kills, &source, |log| self.ours.slot(log, "k", &source));
+        self.push(
+            scenario,
+            Server::SharedZygote,
+            slot,
+            "SIGKILL of the `worker --shared-zygote` slot the pool spawned; a new slot, compile, run",
         );
         let (server, run) = self.floor(200, 1);
         self.push(
@@ -665,7 +733,12 @@ impl Context<'_> {
             worker.kill();
             worker = start(&log)?;
             let id = worker.next_id();
-            worker.call(&driver::run_request(id, "k", &json, &format!(r#"{{"x":{i}}}"#)))?;
+            worker.call(&driver::run_request(
+                id,
+                "k",
+                &json,
+                &format!(r#"{{"x":{i}}}"#),
+            ))?;
             samples.push(started.elapsed());
         }
         worker.close();
@@ -686,7 +759,12 @@ impl Context<'_> {
         };
         let pool = self.pss_of_workers(Server::Pool, &source, mb);
         let processes = pool.as_ref().ok().and_then(pss_processes);
-        self.push(Scenario::Pss, Server::Pool, pool, note("8 reused workers, a call each", processes));
+        self.push(
+            Scenario::Pss,
+            Server::Pool,
+            pool,
+            note("8 reused workers, a call each", processes),
+        );
         self.push(
             Scenario::Pss,
             Server::Spawn,
@@ -700,7 +778,10 @@ impl Context<'_> {
                 Scenario::Pss,
                 Server::Ours(variant),
                 outcome,
-                note("`sweep -j 8`: one zygote, its standby children and 8 calls' children", processes),
+                note(
+                    "`sweep -j 8`: one zygote and the 8 calls' children it forked",
+                    processes,
+                ),
             );
         }
         let node = self.pss_of_workers(Server::Ours(Variant::Node), &source, mb);
@@ -709,13 +790,21 @@ impl Context<'_> {
             Scenario::Pss,
             Server::Ours(Variant::Node),
             node,
-            note("8 `worker --isolation node` processes, as a pool of 8 runs them: a zygote each", processes),
+            note(
+                "8 `worker --isolation node` processes, as a pool of 8 runs them: a zygote each",
+                processes,
+            ),
         );
+        let shared = self.pss_of_workers(Server::SharedZygote, &source, mb);
+        let processes = shared.as_ref().ok().and_then(pss_processes);
         self.push(
             Scenario::Pss,
             Server::SharedZygote,
-            Err("one zygote shared by many pool slots is not built yet".into()),
-            "",
+            shared,
+            note(
+                "8 `worker --shared-zygote` slots, as a pool of 8 runs them, and the zygote they share",
+                processes,
+            ),
         );
     }
 
@@ -726,6 +815,7 @@ impl Context<'_> {
             let log = self.log(&format!("pss{k}"));
             workers.push(match server {
                 Server::Ours(variant) => self.ours.worker(variant, &log, "h", source)?,
+                Server::SharedZygote => self.ours.slot(&log, "h", source)?,
                 _ => self.reference.reused(&log, "h", source)?,
             });
         }
@@ -736,7 +826,25 @@ impl Context<'_> {
             worker.send(&driver::run_request(id, "h", &json, &kwargs))?;
         }
         wait_ready(&dir)?;
-        let roots: Vec<u32> = workers.iter().map(LineWorker::pid).collect();
+        let mut roots: Vec<u32> = workers.iter().map(LineWorker::pid).collect();
+        if server == Server::SharedZygote {
+            // The shared zygote serving these calls: the one whose tree
+            // holds them (an earlier one may linger a moment after its
+            // last slot).
+            let zygotes: Vec<u32> = self
+                .ours
+                .shared_zygotes()
+                .into_iter()
+                .filter(|&pid| procfs::tree(&[pid]).len() > HOLDERS)
+                .collect();
+            if zygotes.len() != 1 {
+                return Err(format!(
+                    "{} shared zygotes hold the calls, not one",
+                    zygotes.len()
+                ));
+            }
+            roots.extend(zygotes);
+        }
         let (kib, processes) = procfs::tree_pss_kib(&roots);
         std::fs::write(dir.join("go"), "").map_err(|e| format!("cannot write go: {e}"))?;
         for worker in &mut workers {
@@ -760,7 +868,10 @@ impl Context<'_> {
             .start_sweep(variant, &node, HOLDERS, HOLDERS, Some(&kwargs))?;
         if let Err(why) = wait_ready(&dir) {
             let _ = child.kill();
-            return Err(format!("{why}: {}", ours::finish_sweep(child).err().unwrap_or_default()));
+            return Err(format!(
+                "{why}: {}",
+                ours::finish_sweep(child).err().unwrap_or_default()
+            ));
         }
         let (kib, processes) = procfs::tree_pss_kib(&[child.id()]);
         std::fs::write(dir.join("go"), "").map_err(|e| format!("cannot write go: {e}"))?;
@@ -821,29 +932,56 @@ impl Context<'_> {
             }
         }
         let floors = match sizes {
-            Some((before, after)) => [(before, Scenario::SmallBefore), (after, Scenario::SmallAfter)]
-                .map(|(kib, scenario)| {
-                    let run = floor::run(&self.exe, kib as usize, calls, 1)
-                        .and_then(|r| latency(Ok(r.samples)));
-                    (scenario, kib, run)
-                })
-                .to_vec(),
+            Some((before, after)) => [
+                (before, Scenario::SmallBefore),
+                (after, Scenario::SmallAfter),
+            ]
+            .map(|(kib, scenario)| {
+                let run = floor::run(&self.exe, kib as usize, calls, 1)
+                    .and_then(|r| latency(Ok(r.samples)));
+                (scenario, kib, run)
+            })
+            .to_vec(),
             None => vec![
-                (Scenario::SmallBefore, 0, Err("our row did not run".to_string())),
-                (Scenario::SmallAfter, 0, Err("our row did not run".to_string())),
+                (
+                    Scenario::SmallBefore,
+                    0,
+                    Err("our row did not run".to_string()),
+                ),
+                (
+                    Scenario::SmallAfter,
+                    0,
+                    Err("our row did not run".to_string()),
+                ),
             ],
         };
         let mut floors = floors.into_iter();
         if let Some((scenario, kib, run)) = floors.next() {
-            let server = Server::Floor { anon_kib: kib, processes: 1 };
-            self.push(scenario, server, run, "at the RssAnon of ours, `--isolation call`");
+            let server = Server::Floor {
+                anon_kib: kib,
+                processes: 1,
+            };
+            self.push(
+                scenario,
+                server,
+                run,
+                "at the RssAnon of ours, `--isolation call`",
+            );
         }
         for (server, outcome, note) in after_rows {
             self.push(Scenario::SmallAfter, server, outcome, note);
         }
         if let Some((scenario, kib, run)) = floors.next() {
-            let server = Server::Floor { anon_kib: kib, processes: 1 };
-            self.push(scenario, server, run, "at the RssAnon of ours, `--isolation call`, after");
+            let server = Server::Floor {
+                anon_kib: kib,
+                processes: 1,
+            };
+            self.push(
+                scenario,
+                server,
+                run,
+                "at the RssAnon of ours, `--isolation call`, after",
+            );
         }
     }
 
@@ -858,7 +996,14 @@ impl Context<'_> {
         if !importable {
             let why = format!("torch is not importable in {}", python.display());
             for scenario in [Scenario::Torch, Scenario::TorchAfterKill] {
-                for server in [Server::Spawn, Server::Ours(Variant::Call), Server::Floor { anon_kib: 0, processes: 1 }] {
+                for server in [
+                    Server::Spawn,
+                    Server::Ours(Variant::Call),
+                    Server::Floor {
+                        anon_kib: 0,
+                        processes: 1,
+                    },
+                ] {
                     self.push(scenario, server, Err(why.clone()), "");
                 }
             }
@@ -866,25 +1011,52 @@ impl Context<'_> {
         }
         let calls = self.options.counts.latency;
         let source = "import torch\ndef process(x):\n    return x + 1\n";
-        let spawn = latency(self.reference.spawn_per_call(&self.log("torch"), source, self.options.counts.spawn));
-        self.push(Scenario::Torch, Server::Spawn, spawn, "cold python + import torch + the call");
+        let spawn = latency(self.reference.spawn_per_call(
+            &self.log("torch"),
+            source,
+            self.options.counts.spawn,
+        ));
+        let torch_spawn = spawn.as_ref().ok().copied();
+        self.push(
+            Scenario::Torch,
+            Server::Spawn,
+            spawn,
+            "cold python + import torch + the call",
+        );
         let torch = Ours {
             preload: vec!["torch".into()],
             ..self.ours.clone()
         };
-        let measured = torch.worker(Variant::Call, &self.log("torch"), "n", source).and_then(|mut worker| {
-            worker.time_calls("n", source, WARM_CALLS, Duration::ZERO)?;
-            let anon = procfs::anon_kib(worker.pid())?;
-            let samples = worker.time_calls("n", source, calls, Duration::ZERO);
-            worker.close();
-            Ok((anon, latency(samples)))
-        });
+        let measured = torch
+            .worker(Variant::Call, &self.log("torch"), "n", source)
+            .and_then(|mut worker| {
+                worker.time_calls("n", source, WARM_CALLS, Duration::ZERO)?;
+                let anon = procfs::anon_kib(worker.pid())?;
+                let samples = worker.time_calls("n", source, calls, Duration::ZERO);
+                worker.close();
+                Ok((anon, latency(samples)))
+            });
+        let torch_anon = measured.as_ref().ok().map(|(anon, _)| *anon);
         match measured {
             Ok((anon, outcome)) => {
-                self.push(Scenario::Torch, Server::Ours(Variant::Call), outcome, "`--preload torch`");
-                let server = Server::Floor { anon_kib: anon, processes: 1 };
-                let run = floor::run(&self.exe, anon as usize, calls, 1).and_then(|r| latency(Ok(r.samples)));
-                self.push(Scenario::Torch, server, run, "at the torch zygote's RssAnon");
+                self.push(
+                    Scenario::Torch,
+                    Server::Ours(Variant::Call),
+                    outcome,
+                    "`--preload torch`",
+                );
+                let server = Server::Floor {
+                    anon_kib: anon,
+                    processes: 1,
+                };
+                let run = floor::run(&self.exe, anon as usize, calls, 1)
+                    .and_then(|r| latency(Ok(r.samples)));
+                self.push(
+                    Scenario::Torch,
+                    server,
+                    run,
+                    "at the torch zygote's RssAnon",
+                );
             }
             Err(why) => self.push(Scenario::Torch, Server::Ours(Variant::Call), Err(why), ""),
         }
@@ -892,7 +1064,8 @@ impl Context<'_> {
         let saved = (self.ours.clone(), self.imports.clone(), self.anon_kib);
         self.ours = torch;
         self.imports = "import torch\n".into();
-        self.after_kill_of(Scenario::TorchAfterKill);
+        self.anon_kib = torch_anon;
+        self.after_kill_of(Scenario::TorchAfterKill, torch_spawn);
         (self.ours, self.imports, self.anon_kib) = saved;
     }
 }
@@ -907,7 +1080,12 @@ fn pss_processes(metric: &Metric) -> Option<usize> {
 /// A hanging call sent; the pid its first event names.
 fn hang(worker: &mut LineWorker, source_json: &str) -> Result<i32, String> {
     let id = worker.next_id();
-    worker.send(&driver::run_request(id, "k", source_json, r#"{"x":0,"hang":true}"#))?;
+    worker.send(&driver::run_request(
+        id,
+        "k",
+        source_json,
+        r#"{"x":0,"hang":true}"#,
+    ))?;
     let line = worker.line()?;
     let event: serde_json::Value =
         serde_json::from_str(&line).map_err(|e| format!("not an event ({e}): {line}"))?;

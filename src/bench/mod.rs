@@ -24,8 +24,8 @@ pub mod chart;
 pub mod driver;
 pub mod floor;
 pub mod matrix;
-pub mod procfs;
 pub mod ours;
+pub mod procfs;
 pub mod reference;
 pub mod report;
 
@@ -123,7 +123,10 @@ pub fn run(options: &BenchOptions) -> ExitCode {
     let markdown = report::markdown(options, &results, &png, chart_note.as_deref());
     let md = options.out.join(format!("{stem}.md"));
     if let Err(message) = std::fs::write(&md, &markdown) {
-        eprintln!("fluksio-zygote bench: cannot write {}: {message}", md.display());
+        eprintln!(
+            "fluksio-zygote bench: cannot write {}: {message}",
+            md.display()
+        );
         return ExitCode::from(2);
     }
     println!("{markdown}");
@@ -188,14 +191,16 @@ pub struct Stats {
 impl Stats {
     /// `None` for no samples.
     pub fn of(samples: &[Duration]) -> Option<Stats> {
-        if samples.is_empty() {
-            return None;
-        }
-        Some(Stats {
-            p50: crate::sweep::percentile(samples, 0.50),
-            p99: crate::sweep::percentile(samples, 0.99),
-            mean: samples.iter().sum::<Duration>() / samples.len() as u32,
-            samples: samples.len(),
+        let mut sorted = samples.to_vec();
+        sorted.sort_unstable();
+        // Nearest rank: the smallest sample with at least q of them at or below it.
+        let rank =
+            |q: f64| sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1];
+        (!sorted.is_empty()).then(|| Stats {
+            p50: rank(0.50),
+            p99: rank(0.99),
+            mean: sorted.iter().sum::<Duration>() / sorted.len() as u32,
+            samples: sorted.len(),
         })
     }
 }

@@ -72,10 +72,68 @@ impl Ours {
 
     /// `fluksio-zygote worker` with `node` compiled (which also waits for
     /// the preloads).
-    pub fn worker(&self, variant: Variant, log: &Path, node: &str, source: &str) -> Result<LineWorker, String> {
+    pub fn worker(
+        &self,
+        variant: Variant,
+        log: &Path,
+        node: &str,
+        source: &str,
+    ) -> Result<LineWorker, String> {
         let mut worker = LineWorker::spawn(self.command("worker", variant), log)?;
         worker.compile(node, source)?;
         Ok(worker)
+    }
+
+    /// `fluksio-zygote worker --shared-zygote`: a pool slot of the zygote
+    /// shared by every slot started alike, `node` compiled.
+    pub fn slot(&self, log: &Path, node: &str, source: &str) -> Result<LineWorker, String> {
+        let mut command = self.command("worker", Variant::Call);
+        command.arg("--shared-zygote");
+        let mut worker = LineWorker::spawn(command, log)?;
+        worker.compile(node, source)?;
+        Ok(worker)
+    }
+
+    /// The shared zygotes (`zygote --listen …`) of this binary running now;
+    /// not their children, which fork with the same command line.
+    pub fn shared_zygotes(&self) -> Vec<u32> {
+        let all = self.listening();
+        let parent = |pid: &u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')?
+                        .1
+                        .split_whitespace()
+                        .nth(1)?
+                        .parse::<u32>()
+                        .ok()
+                })
+        };
+        all.iter()
+            .copied()
+            .filter(|pid| !parent(pid).is_some_and(|p| all.contains(&p)))
+            .collect()
+    }
+
+    fn listening(&self) -> Vec<u32> {
+        let exe = std::fs::canonicalize(&self.exe).unwrap_or_else(|_| self.exe.clone());
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                let same_exe =
+                    std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|p| p == exe);
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+                same_exe
+                    && args.get(1).is_some_and(|a| *a == b"zygote")
+                    && args.iter().any(|a| *a == b"--listen")
+            })
+            .collect()
     }
 
     /// `fluksio-zygote sweep NODE --grid x=0..calls-1 -j jobs`, started.
@@ -130,12 +188,19 @@ pub fn finish_sweep(mut child: Child) -> Result<f64, String> {
         .rev()
         .find(|l| l.starts_with("sweep: "))
         .ok_or_else(|| {
-            let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+            let last = stderr
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("");
             format!("the sweep printed no summary ({status}): {last}")
         })?;
     let number_before = |suffix: &str| -> Option<f64> {
         let head = summary.split(suffix).next()?;
-        head.rsplit(|c: char| c == ' ' || c == ',').find(|w| !w.is_empty())?.parse().ok()
+        head.rsplit([' ', ','])
+            .find(|w| !w.is_empty())?
+            .parse()
+            .ok()
     };
     let unreadable = || format!("unreadable: {summary}");
     let calls = number_before(" calls,").ok_or_else(unreadable)?;

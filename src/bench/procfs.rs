@@ -83,7 +83,11 @@ pub fn tree(roots: &[u32]) -> BTreeSet<u32> {
     let mut parents = Vec::new();
     if let Ok(entries) = std::fs::read_dir("/proc") {
         for entry in entries.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
                 continue;
             };
             let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {

@@ -61,7 +61,12 @@ impl Reference {
 
     /// agent.py's way: a fresh interpreter per call, request written → reply
     /// read, start-up and every import included.
-    pub fn spawn_per_call(&self, log: &Path, source: &str, calls: usize) -> Result<Vec<Duration>, String> {
+    pub fn spawn_per_call(
+        &self,
+        log: &Path,
+        source: &str,
+        calls: usize,
+    ) -> Result<Vec<Duration>, String> {
         let source = driver::json_string(source);
         let mut samples = Vec::with_capacity(calls);
         for i in 0..calls {
@@ -77,7 +82,13 @@ impl Reference {
 
     /// `fresh` spawn-per-call workers at once, `calls` in all: calls/s with
     /// that many in flight.
-    pub fn spawn_rate(&self, log: &Path, source: &str, calls: usize, in_flight: usize) -> Result<f64, String> {
+    pub fn spawn_rate(
+        &self,
+        log: &Path,
+        source: &str,
+        calls: usize,
+        in_flight: usize,
+    ) -> Result<f64, String> {
         let per = calls.div_ceil(in_flight).max(1);
         let started = Instant::now();
         std::thread::scope(|scope| {
@@ -131,8 +142,15 @@ impl Reference {
             .map_err(|e| format!("the pool client: {e}"))?;
         if !output.status.success() {
             let stderr = String::from_utf8_lossy(&output.stderr);
-            let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
-            return Err(format!("the pool client failed ({}): {last}", output.status));
+            let last = stderr
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("");
+            return Err(format!(
+                "the pool client failed ({}): {last}",
+                output.status
+            ));
         }
         let samples: Vec<Duration> = BufReader::new(&output.stdout[..])
             .lines()
@@ -141,7 +159,10 @@ impl Reference {
             .map(Duration::from_secs_f64)
             .collect();
         if samples.len() != calls {
-            return Err(format!("the pool client timed {} of {calls} calls", samples.len()));
+            return Err(format!(
+                "the pool client timed {} of {calls} calls",
+                samples.len()
+            ));
         }
         Ok(samples)
     }

@@ -92,6 +92,7 @@ pub fn run(options: &SweepOptions) -> ExitCode {
     let progress = stdout_is_terminal && std::io::stderr().is_terminal();
     signals::install();
     zygote::node::name_bad_values();
+    zygote::node::set_script(&options.node);
     zygote::run(
         &options.zygote,
         zygote::print_startup_error,

@@ -46,6 +46,7 @@ pub fn run(options: &RunOptions) -> ExitCode {
     };
     signals::install();
     zygote::node::name_bad_values();
+    zygote::node::set_script(&options.node);
     zygote::capture::tee_to_stderr();
     zygote::run(
         &options.zygote,

@@ -28,6 +28,7 @@ use super::capture::{self, LogBuffer};
 use super::channel;
 use super::fork;
 use super::node::{self, NodeKey};
+use super::{finish, signals};
 
 /// How a trial ended, told by its exit code once its reply is sent: the
 /// code is ours to choose there, and needs no second channel.
@@ -277,6 +278,8 @@ pub fn stand_by<'a>(
     logs: &LogBuffer,
     functions: impl Iterator<Item = &'a Py<PyAny>>,
 ) {
+    // As a fresh python3, whatever the zygote's loads installed.
+    signals::reset_in_child(py);
     logs.capture_here();
     let _ = capture::redirect_stdio(py);
     let _ = py.import("gc").and_then(|gc| gc.call_method0("enable"));
@@ -317,7 +320,14 @@ pub fn serve(
     logs: &LogBuffer,
 ) -> ! {
     channel::open(reply_fd, &call.call_id);
+    if let Function::Loaded(_) = function {
+        node::enter(py, &call.key, &call.digest);
+    }
     let outcome = apply_env(py, &call.env).and_then(|()| perform(py, call, function, logs));
+    if call.task == Task::Run {
+        // Before the reply, which carries what a handler still logs.
+        finish::at_end(py, finish::Ending::Exit);
+    }
     if let Err(error) = &outcome
         && error.is_instance_of::<PySystemExit>(py)
     {

@@ -245,8 +245,8 @@ impl InterpreterConfig {
             let mut config = std::mem::MaybeUninit::<ffi::PyConfig>::zeroed();
             ffi::PyConfig_InitPythonConfig(config.as_mut_ptr());
             let config = config.assume_init_mut();
-            // The zygote and its children handle signals themselves; a
-            // KeyboardInterrupt handler would also swallow the agent's SIGINT.
+            // Signals are set by `signals`: the zygote's are the runtime's,
+            // a call's child's a fresh python3's.
             config.install_signal_handlers = 0;
             config.parse_argv = 0;
             // Never put the current directory on sys.path, as `python script`
@@ -258,6 +258,7 @@ impl InterpreterConfig {
                 ffi::PyConfig_Clear(config);
                 return Err(StartError::Init(status_message(status)));
             }
+            super::signals::before_interpreter();
             let status = ffi::Py_InitializeFromConfig(config);
             ffi::PyConfig_Clear(config);
             if ffi::PyStatus_Exception(status) != 0 {

@@ -20,6 +20,7 @@
 pub mod capture;
 pub mod channel;
 pub mod child;
+pub mod finish;
 pub mod flight;
 pub mod fork;
 pub mod interpreter;
@@ -28,6 +29,7 @@ pub mod plumbing;
 pub mod recovery;
 pub mod resident;
 pub mod server;
+pub mod signals;
 mod standby;
 
 use std::collections::HashMap;
@@ -205,22 +207,30 @@ impl Zygote {
     /// Sets up the booted interpreter: the `fluksio` module, the preloads,
     /// the fork baseline, the GC.
     pub fn new(py: Python<'_>, options: &ZygoteOptions) -> Result<Zygote, StartupError> {
+        // First: before anything imports `signal`.
+        signals::settle_zygote(py)?;
         crate::fluksio::install(py)?;
         capture::register_as_text_stream(py)?;
         // What every call needs, imported here so no call pays for it.
         for module in ["json", "traceback", "types", "gc", "logging"] {
             py.import(module)?;
         }
-        for module in &options.preload {
-            if let Err(error) = py.import(module.as_str()) {
-                let error = error_line(py, &error);
-                return Err(StartupError::Preload {
-                    module: module.clone(),
-                    error,
-                    python: options.python.clone(),
-                });
+        let (preloaded, installed) = signals::watch(py, || {
+            for module in &options.preload {
+                if let Err(error) = py.import(module.as_str()) {
+                    let error = error_line(py, &error);
+                    return Err(StartupError::Preload {
+                        module: module.clone(),
+                        error,
+                        python: options.python.clone(),
+                    });
+                }
             }
-        }
+            Ok(())
+        });
+        preloaded?;
+        signals::remember_preloads(installed);
+        finish::settle_zygote(py);
         settle_baseline(py, &options.preload)?;
         let gc = py.import("gc")?;
         gc.call_method0("disable")?;
@@ -582,7 +592,7 @@ impl Zygote {
     /// checks the zygote can still fork safely.
     fn load_into_zygote(&mut self, py: Python<'_>, key: &NodeKey, source: &str, digest: &str) {
         // Its output was reported by the trial; here it goes nowhere.
-        let loaded = quietly(py, || node::load(py, key, source, digest));
+        let loaded = quietly(py, || node::load_in_zygote(py, key, source, digest));
         let residence = match loaded {
             Ok(function) => Residence::Zygote(function.unbind()),
             Err(error) => {
@@ -609,6 +619,7 @@ impl Zygote {
     }
 
     fn remember(&mut self, key: &NodeKey, source: &str, digest: &str, residence: Residence) {
+        Python::attach(|py| node::publish(py, key, source, digest));
         self.nodes.insert(
             key.clone(),
             Compiled {
@@ -661,6 +672,7 @@ impl Zygote {
     pub fn shutdown(&mut self) {
         self.retire_all();
         self.children.shutdown();
+        node::remove_module_dir();
     }
 
     /// Blocks until `input` is readable, reaping finished children meanwhile.

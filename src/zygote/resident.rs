@@ -148,7 +148,10 @@ pub(super) fn serve_in_turn(
     super::channel::open(reply_fd, &call.call_id);
     // Resolved once: a node loaded here keeps its module between calls.
     let function = match function {
-        Function::Loaded(function) => function.bind(py).clone(),
+        Function::Loaded(function) => {
+            super::node::enter(py, &call.key, &call.digest);
+            function.bind(py).clone()
+        }
         Function::LoadHere { quiet } => {
             match child::resolve(py, &call, Function::LoadHere { quiet }, logs) {
                 Ok(loaded) => loaded,
@@ -180,11 +183,15 @@ pub(super) fn serve_in_turn(
 /// Sends the reply for `outcome`; a `SystemExit` leaves as the interpreter
 /// would, with no reply.
 fn answer(py: Python<'_>, call: &Assignment, outcome: PyResult<Option<Bound<'_, PyAny>>>) {
+    use super::finish::{Ending, at_end};
     if let Err(error) = &outcome
         && error.is_instance_of::<pyo3::exceptions::PySystemExit>(py)
     {
+        at_end(py, Ending::Exit);
         child::exit(child::system_exit_code(py, error));
     }
+    // Written out after each call; closed only when the child exits.
+    at_end(py, Ending::Between);
     let reply = child::encode_reply(py, call, outcome);
     let _ = super::channel::send_reply(py, &reply);
 }

@@ -1,0 +1,263 @@
+//! What `python3` flushes at exit, done before a call's child `_exit`s.
+//!
+//! The issue this solves: a child leaves with `_exit` (no atexit handlers,
+//! nothing of the zygote's flushed twice), so a file a node wrote and left
+//! open, `sys.__stdout__`, a `logging` handler or C stdio kept what was in
+//! their buffers, where `python3` would have written it.
+//!
+//! So at the end of a call, before its reply is built (a handler may still
+//! write to the logs), the child closes the Python files it created
+//! (`gc.get_objects()` lists only those: everything the zygote had is in
+//! `gc.freeze`'s permanent generation) and the ones the zygote's loads
+//! opened (recorded at load), runs `logging.shutdown()`, flushes
+//! `sys.stdout`/`sys.stderr`, `sys.__stdout__`/`sys.__stderr__` and C stdio.
+//! The zygote flushes the same after every load, so no child inherits data
+//! another would write again. All of it runs under a deadline: a write that
+//! blocks (a full pipe, a FIFO nobody reads) is interrupted, and the call
+//! goes on without it.
+//!
+//! `atexit` handlers do not run, however a call ends (see PROTOCOL-NOTES).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::exceptions::PyTimeoutError;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+/// How long the flush may take before what is left is abandoned.
+pub const BUDGET: Duration = Duration::from_secs(1);
+/// After the budget, how often a blocked write is interrupted again.
+const AGAIN: Duration = Duration::from_millis(10);
+
+/// How the process goes on after the flush.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// It exits: files are closed, logging shut down, as at exit.
+    Exit,
+    /// A resident child between two calls: flushed, left open.
+    Between,
+}
+
+/// Weak references to the files the zygote's loads left open.
+static ZYGOTE_FILES: Mutex<Vec<Py<PyAny>>> = Mutex::new(Vec::new());
+
+#[pyfunction]
+fn flush_overdue(_signum: i32, _frame: &Bound<'_, PyAny>) -> PyResult<()> {
+    Err(PyTimeoutError::new_err(
+        "flushing at the end of the call took too long",
+    ))
+}
+
+/// A timer that interrupts this thread with SIGALRM, whose Python handler
+/// raises: a blocked write returns EINTR and is not retried (PEP 475).
+struct Deadline {
+    timer: libc::timer_t,
+    python: Option<Py<PyAny>>,
+    kernel: libc::sigaction,
+}
+
+fn arm(py: Python<'_>, budget: Duration) -> Option<Deadline> {
+    let signals = py.import("_signal").ok()?;
+    let handler = wrap_pyfunction!(flush_overdue, py).ok()?;
+    // SAFETY: a query into a zeroed struct.
+    let kernel = unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(libc::SIGALRM, std::ptr::null(), &mut action);
+        action
+    };
+    let python = signals
+        .call_method1("signal", (libc::SIGALRM, handler))
+        .ok()?
+        .unbind();
+    // SAFETY: timer_create with a sigevent aimed at this thread (the node's
+    // other threads must not take the signal), then armed; both checked.
+    unsafe {
+        let mut event: libc::sigevent = std::mem::zeroed();
+        event.sigev_notify = libc::SIGEV_THREAD_ID;
+        event.sigev_signo = libc::SIGALRM;
+        event.sigev_notify_thread_id = libc::gettid();
+        let mut timer: libc::timer_t = std::mem::zeroed();
+        if libc::timer_create(libc::CLOCK_MONOTONIC, &mut event, &mut timer) != 0 {
+            let _ = signals.call_method1("signal", (libc::SIGALRM, python.bind(py)));
+            libc::sigaction(libc::SIGALRM, &kernel, std::ptr::null_mut());
+            return None;
+        }
+        let spec = |d: Duration| libc::timespec {
+            tv_sec: d.as_secs() as libc::time_t,
+            tv_nsec: d.subsec_nanos() as libc::c_long,
+        };
+        let when = libc::itimerspec {
+            it_value: spec(budget),
+            it_interval: spec(AGAIN),
+        };
+        libc::timer_settime(timer, 0, &when, std::ptr::null_mut());
+        Some(Deadline {
+            timer,
+            python: Some(python),
+            kernel,
+        })
+    }
+}
+
+fn disarm(py: Python<'_>, deadline: Deadline) {
+    // SAFETY: the timer made by `arm`, deleted once.
+    unsafe { libc::timer_delete(deadline.timer) };
+    // A tick that landed just now runs our handler here, not a later one.
+    // SAFETY: called with the GIL held (the `py` token).
+    if unsafe { pyo3::ffi::PyErr_CheckSignals() } != 0 {
+        let _ = PyErr::take(py);
+    }
+    if let (Ok(signals), Some(python)) = (py.import("_signal"), deadline.python) {
+        let _ = signals.call_method1("signal", (libc::SIGALRM, python.bind(py)));
+    }
+    // SAFETY: the action read back in `arm`.
+    unsafe { libc::sigaction(libc::SIGALRM, &deadline.kernel, std::ptr::null_mut()) };
+}
+
+/// `_io._TextIOBase` and `_io._BufferedIOBase`: every text and buffered
+/// file, C or Python.
+fn io_bases(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Bound<'_, PyAny>)> {
+    let io = py.import("_io")?;
+    Ok((io.getattr("_TextIOBase")?, io.getattr("_BufferedIOBase")?))
+}
+
+fn is_instance(object: &Bound<'_, PyAny>, base: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: both are live objects; `base` is a type object.
+    unsafe {
+        pyo3::ffi::PyType_IsSubtype(
+            pyo3::ffi::Py_TYPE(object.as_ptr()),
+            base.as_ptr().cast::<pyo3::ffi::PyTypeObject>(),
+        ) != 0
+    }
+}
+
+/// The files among the objects the collector tracks outside the permanent
+/// generation: text ones first (closing one closes what it wraps).
+fn young_files(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyAny>>> {
+    let (text, buffered) = io_bases(py)?;
+    let objects = py.import("gc")?.call_method0("get_objects")?;
+    let objects = objects.cast::<PyList>()?;
+    let sys = py.import("sys")?;
+    let standard: Vec<Bound<'_, PyAny>> = [
+        "__stdin__",
+        "__stdout__",
+        "__stderr__",
+        "stdin",
+        "stdout",
+        "stderr",
+    ]
+    .iter()
+    .filter_map(|name| sys.getattr(*name).ok())
+    .collect();
+    let mut texts = Vec::new();
+    let mut buffers = Vec::new();
+    for object in objects.iter() {
+        let kind = if is_instance(&object, &text) {
+            &mut texts
+        } else if is_instance(&object, &buffered) {
+            &mut buffers
+        } else {
+            continue;
+        };
+        if !standard.iter().any(|s| s.is(&object)) {
+            kind.push(object);
+        }
+    }
+    texts.extend(buffers);
+    Ok(texts)
+}
+
+/// In the zygote, after its boot or a load: remembers the files that left
+/// open, and flushes them and the standard streams, so that no child holds
+/// a copy of buffered data it would write again.
+pub fn settle_zygote(py: Python<'_>) {
+    let deadline = arm(py, BUDGET);
+    if let Ok(files) = young_files(py) {
+        let mut kept = ZYGOTE_FILES.lock().unwrap_or_else(|e| e.into_inner());
+        for file in files {
+            let _ = file.call_method0("flush");
+            if let Ok(weak) = py
+                .import("weakref")
+                .and_then(|w| w.call_method1("ref", (&file,)))
+            {
+                kept.push(weak.unbind());
+            }
+        }
+        // Those gone since are of no use.
+        kept.retain(|weak| weak.bind(py).call0().is_ok_and(|f| !f.is_none()));
+    }
+    flush_standard(py);
+    if let Some(deadline) = deadline {
+        disarm(py, deadline);
+    }
+}
+
+fn flush_standard(py: Python<'_>) {
+    if let Ok(sys) = py.import("sys") {
+        for name in ["stdout", "stderr", "__stdout__", "__stderr__"] {
+            if let Ok(stream) = sys.getattr(name)
+                && !stream.is_none()
+            {
+                let _ = stream.call_method0("flush");
+            }
+        }
+    }
+    // SAFETY: fflush(NULL) flushes every C output stream of this process.
+    unsafe { libc::fflush(std::ptr::null_mut()) };
+}
+
+/// At the end of a call, in its child: what `python3` writes out at exit.
+pub fn at_end(py: Python<'_>, ending: Ending) {
+    // The node's error, if one is being raised, is not ours to disturb.
+    let pending = PyErr::take(py);
+    let deadline = arm(py, BUDGET);
+    let method = match ending {
+        Ending::Exit => "close",
+        Ending::Between => "flush",
+    };
+    if let Ok(logging) = py.import("logging") {
+        let _ = match ending {
+            Ending::Exit => logging.call_method0("shutdown").map(|_| ()),
+            Ending::Between => flush_handlers(&logging),
+        };
+    }
+    if let Ok(files) = young_files(py) {
+        for file in files {
+            let _ = file.call_method0(method);
+        }
+    }
+    let zygote_files: Vec<Py<PyAny>> = ZYGOTE_FILES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|weak| weak.clone_ref(py))
+        .collect();
+    for weak in zygote_files {
+        if let Ok(file) = weak.bind(py).call0()
+            && !file.is_none()
+        {
+            let _ = file.call_method0(method);
+        }
+    }
+    flush_standard(py);
+    if let Some(deadline) = deadline {
+        disarm(py, deadline);
+    }
+    if let Some(pending) = pending {
+        pending.restore(py);
+    }
+}
+
+/// `logging.shutdown()` without the closing: a resident's next call logs on.
+fn flush_handlers(logging: &Bound<'_, PyAny>) -> PyResult<()> {
+    let handlers = logging.getattr("_handlerList")?;
+    for weak in handlers.try_iter()? {
+        let handler = weak?.call0()?;
+        if handler.is_none() {
+            continue;
+        }
+        let _ = handler.call_method0("flush");
+    }
+    Ok(())
+}

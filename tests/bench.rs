@@ -1,0 +1,152 @@
+//! `fluksio-zygote bench --quick`, with tiny counts, against the reference:
+//! the table and the chart are written and every row of the matrix is in
+//! the table, measured or saying why not. No timing is asserted.
+
+use std::process::Command;
+
+const ZYGOTE: &str = env!("CARGO_BIN_EXE_fluksio-zygote");
+const REFERENCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/reference");
+
+/// Every row the matrix has: (scenario, who serves it).
+const ROWS: &[(&str, &[&str])] = &[
+    (
+        "(1) sequential trivial calls, back to back",
+        &[
+            "reference pool",
+            "spawn per call",
+            "ours, `--isolation call`",
+            "ours, `--isolation call --standby 4`",
+            "ours, `--isolation node`",
+            "C fork floor",
+        ],
+    ),
+    (
+        "(1) sequential trivial calls, spaced 5 ms",
+        &[
+            "reference pool",
+            "ours, `--isolation call`",
+            "ours, `--isolation node`",
+        ],
+    ),
+    (
+        "(1) through the engine's PythonWorkerPool (size 1), back to back",
+        &[
+            "reference pool",
+            "ours, `--isolation call`",
+            "ours, `--isolation node`",
+        ],
+    ),
+    (
+        "(2) trivial calls, 2 in flight",
+        &[
+            "reference pool",
+            "spawn per call",
+            "ours, `--isolation call`",
+            "ours, `--isolation node`",
+            "C fork floor, 2 processes",
+        ],
+    ),
+    (
+        "(3) the next call after a kill",
+        &[
+            "reference pool",
+            "ours, `--isolation call`",
+            "ours, `--isolation node`",
+            "ours, `worker` process killed and restarted",
+            "ours, pool slots sharing one zygote",
+            "C fork floor",
+        ],
+    ),
+    (
+        "(4) total PSS",
+        &[
+            "reference pool",
+            "ours, `--isolation call`",
+            "ours, `--isolation node`",
+            "ours, pool slots sharing one zygote",
+        ],
+    ),
+    (
+        "(5) a sweep of trivial calls",
+        &[
+            "reference pool",
+            "ours, `--isolation call`",
+            "C fork floor, 2 processes",
+        ],
+    ),
+    (
+        "(6) a small node, before",
+        &[
+            "reference pool",
+            "ours, `--isolation call`",
+            "ours, `--isolation node`",
+            "C fork floor",
+        ],
+    ),
+    (
+        "(6) the small node, after",
+        &[
+            "reference pool",
+            "ours, `--isolation call`",
+            "ours, `--isolation node`",
+            "C fork floor",
+        ],
+    ),
+    (
+        "(7) torch preloaded: a trivial call",
+        &["spawn per call", "ours, `--isolation call`", "C fork floor"],
+    ),
+];
+
+#[test]
+fn bench_quick_writes_the_table_and_the_chart_with_every_row() {
+    let out = std::env::temp_dir().join(format!("fluksio-bench-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let output = Command::new(ZYGOTE)
+        .args(["bench", "--quick", "--preload="])
+        .args(["--latency-calls", "6", "--spawn-calls", "1", "--kills", "1"])
+        .args(["--calls", "20", "--big-mb", "5", "--array-mb", "2"])
+        .arg("--reference")
+        .arg(REFERENCE)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "bench failed: {stderr}");
+
+    let table = std::fs::read_to_string(out.join("bench-bare.md")).expect("the table is written");
+    assert!(
+        stdout.contains("| scenario | served by |"),
+        "the table is printed: {stdout}"
+    );
+    for (scenario, servers) in ROWS {
+        for server in *servers {
+            let found = table.lines().any(|l| {
+                l.starts_with(&format!("| {scenario}")) && l.contains(&format!("| {server}"))
+            });
+            assert!(found, "no row for {server} in {scenario}:\n{table}");
+        }
+    }
+    // The reference and ours both ran: their (1) rows are measured.
+    for server in ["reference pool", "ours, `--isolation call`"] {
+        let row = table
+            .lines()
+            .find(|l| {
+                l.starts_with("| (1) sequential trivial calls, back to back") && l.contains(server)
+            })
+            .expect("the row");
+        assert!(row.contains("p50 "), "{server} did not run: {row}");
+    }
+    assert!(table.contains("Issue 8's targets"), "{table}");
+    assert!(
+        !table.contains("0.0×"),
+        "a ratio read the wrong way round:\n{table}"
+    );
+
+    let png = std::fs::read(out.join("bench-bare.png")).expect("the chart is written");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    assert!(png.len() > 1000, "an empty chart");
+    let _ = std::fs::remove_dir_all(&out);
+}
