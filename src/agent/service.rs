@@ -129,7 +129,7 @@ async fn run(
         .stderr(std::process::Stdio::from(stderr_write));
     // Everything the service starts stays in its cell, whatever session it
     // makes: ended with it, or by the warden if the agent is killed.
-    let cell = match crate::containment::Cell::new() {
+    let mut cell = match crate::containment::Cell::new() {
         Ok(cell) => cell,
         Err(error) => return format!("OSError: could not make the service's cgroup: {error}"),
     };
@@ -150,6 +150,7 @@ async fn run(
         });
     }
     let spawned = tokio::process::Command::from(command).spawn();
+    cell.forked();
     let mut child = match spawned {
         Ok(child) => child,
         Err(error) => return format!("{}: {error}", io_kind_name(&error)),

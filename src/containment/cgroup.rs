@@ -10,7 +10,7 @@
 
 use std::fs;
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 /// Which cgroup interface a directory speaks.
@@ -104,22 +104,6 @@ pub fn populated(dir: &Path) -> bool {
         // Gone is empty.
         Err(_) => false,
     }
-}
-
-/// [`populated`], read through an open `cgroup.events` (a `pread`: the
-/// kernel regenerates the file on every read from offset 0).
-pub fn populated_at(events: &impl AsRawFd) -> bool {
-    let mut text = [0u8; 128];
-    // SAFETY: pread into a live local buffer, at most its length.
-    let n = unsafe { libc::pread(events.as_raw_fd(), text.as_mut_ptr().cast(), text.len(), 0) };
-    if n <= 0 {
-        return false;
-    }
-    std::str::from_utf8(&text[..n as usize]).is_ok_and(|events| {
-        events
-            .lines()
-            .any(|line| line.split_once(' ') == Some(("populated", "1")))
-    })
 }
 
 /// Whether a v1 cgroup still has a process in it (`cgroup.procs` lists

@@ -82,46 +82,58 @@ impl std::fmt::Display for ContainmentError {
 
 impl std::error::Error for ContainmentError {}
 
-/// The cgroup directories of one cell, kept and reused across calls.
+/// The cgroup directories of one cell, kept and reused across calls. A
+/// cell at rest holds no fd: the zygote's fd count does not grow with the
+/// cells it keeps.
 #[derive(Debug)]
 struct CellDirs {
     /// The v2 leaf: killed with `cgroup.kill`, and where a v2 memory limit is.
     leaf: PathBuf,
-    procs: Claimed,
-    /// Its `cgroup.kill` and `cgroup.events`, kept open: a call's end costs
-    /// a read (and a write only if something is left), not three opens.
-    kill: Claimed,
-    events: Claimed,
     /// A v1 memory cgroup beside it, when memory is limited on v1.
-    memory_v1: Option<(PathBuf, Claimed)>,
+    memory_v1: Option<PathBuf>,
 }
 
 impl CellDirs {
     fn memory_dir(&self, limit: Option<MemoryLimit>) -> Option<(&PathBuf, Version)> {
         match limit? {
             MemoryLimit::Cgroup(Version::V2) => Some((&self.leaf, Version::V2)),
-            MemoryLimit::Cgroup(Version::V1) => {
-                self.memory_v1.as_ref().map(|(d, _)| (d, Version::V1))
-            }
+            MemoryLimit::Cgroup(Version::V1) => self.memory_v1.as_ref().map(|d| (d, Version::V1)),
             MemoryLimit::Rlimit => None,
         }
     }
 
     fn empty(&self) -> bool {
-        !cgroup::populated_at(&self.events)
+        !cgroup::populated(&self.leaf)
             && self
                 .memory_v1
                 .as_ref()
-                .is_none_or(|(dir, _)| !cgroup::has_procs(dir))
+                .is_none_or(|dir| !cgroup::has_procs(dir))
     }
 
     /// `cgroup.kill`, when a process is left in the cell.
     fn kill(&self) {
-        if cgroup::populated_at(&self.events) {
-            // SAFETY: a one-byte write to an fd this value owns.
-            unsafe { libc::write(self.kill.as_raw_fd(), b"1".as_ptr().cast(), 1) };
+        if cgroup::populated(&self.leaf) {
+            let _ = cgroup::write(&self.leaf.join("cgroup.kill"), "1");
         }
     }
+
+    /// The `cgroup.procs` files a child joins the cell through.
+    fn open_joins(&self) -> std::io::Result<Joins> {
+        Ok(Joins {
+            procs: Claimed::new(cgroup::open_procs(&self.leaf)?),
+            memory_procs: match &self.memory_v1 {
+                Some(dir) => Some(Claimed::new(cgroup::open_procs(dir)?)),
+                None => None,
+            },
+        })
+    }
+}
+
+/// Open from a cell's handing out until its child is forked.
+#[derive(Debug)]
+struct Joins {
+    procs: Claimed,
+    memory_procs: Option<Claimed>,
 }
 
 /// This process's containment, once established.
@@ -297,6 +309,8 @@ fn memory_limit(tree: &std::path::Path, name: &str) -> (Option<MemoryLimit>, Opt
 #[derive(Debug)]
 pub struct Cell {
     dirs: Option<CellDirs>,
+    /// Its `cgroup.procs` files, until the child is forked ([`Cell::forked`]).
+    joins: Option<Joins>,
     /// A zygote's cell: its child is a subreaper, so what the call orphans
     /// stays under it (and under its cell) until the call ends.
     subreaper: bool,
@@ -313,6 +327,7 @@ impl Cell {
         let Some(state) = guard.as_mut() else {
             return Ok(Cell {
                 dirs: None,
+                joins: None,
                 subreaper: false,
                 memory: None,
                 limit_mib: None,
@@ -327,8 +342,13 @@ impl Cell {
             .as_ref()
             .and_then(|d| d.memory_dir(state.memory))
             .map_or(0, |(dir, version)| cgroup::oom_kills(dir, version));
+        let joins = match &dirs {
+            Some(dirs) => Some(dirs.open_joins()?),
+            None => None,
+        };
         Ok(Cell {
             dirs,
+            joins,
             subreaper: state.reaps_strays,
             memory: state.memory,
             limit_mib: state.limit_mib,
@@ -342,9 +362,9 @@ impl Cell {
     /// process with threads: the agent's services), but for the rlimit
     /// fallback, which reads `/proc` and is set only in a zygote.
     pub fn enter(&self) {
-        if let Some(dirs) = &self.dirs {
-            join(dirs.procs.as_raw_fd());
-            if let Some((_, procs)) = &dirs.memory_v1 {
+        if let Some(joins) = &self.joins {
+            join(joins.procs.as_raw_fd());
+            if let Some(procs) = &joins.memory_procs {
                 join(procs.as_raw_fd());
             }
         }
@@ -362,13 +382,18 @@ impl Cell {
     /// The fd a child spawned with `pre_exec` joins the cell through, and
     /// the v1 memory cgroup's, if any.
     pub fn procs_fds(&self) -> (Option<i32>, Option<i32>) {
-        match &self.dirs {
-            Some(dirs) => (
-                Some(dirs.procs.as_raw_fd()),
-                dirs.memory_v1.as_ref().map(|(_, p)| p.as_raw_fd()),
+        match &self.joins {
+            Some(joins) => (
+                Some(joins.procs.as_raw_fd()),
+                joins.memory_procs.as_ref().map(|p| p.as_raw_fd()),
             ),
             None => (None, None),
         }
+    }
+
+    /// In the parent, once the child is forked: the join files are closed.
+    pub fn forked(&mut self) {
+        self.joins = None;
     }
 
     /// Ends every process in the cell, whatever session it is in. A no-op
@@ -430,32 +455,17 @@ impl State {
             // Past the limit is past it: not a swap-out.
             let _ = cgroup::write(&leaf.join("memory.swap.max"), "0");
         }
-        let procs = Claimed::new(cgroup::open_procs(&leaf)?);
-        let kill = Claimed::new(
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(leaf.join("cgroup.kill"))?
-                .into(),
-        );
-        let events = Claimed::new(std::fs::File::open(leaf.join("cgroup.events"))?.into());
         let memory_v1 = match (self.memory, &self.memory_tree, &limit_bytes) {
             (Some(MemoryLimit::Cgroup(Version::V1)), Some(memory_tree), Some(bytes)) => {
                 let dir = memory_tree.join(&name);
                 std::fs::create_dir(&dir)?;
                 cgroup::write(&dir.join("memory.limit_in_bytes"), bytes)?;
                 let _ = cgroup::write(&dir.join("memory.memsw.limit_in_bytes"), bytes);
-                let procs = Claimed::new(cgroup::open_procs(&dir)?);
-                Some((dir, procs))
+                Some(dir)
             }
             _ => None,
         };
-        Ok(CellDirs {
-            leaf,
-            procs,
-            kill,
-            events,
-            memory_v1,
-        })
+        Ok(CellDirs { leaf, memory_v1 })
     }
 }
 

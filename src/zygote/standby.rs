@@ -298,6 +298,8 @@ impl Zygote {
             Ok(fork::Forked::Parent { pid, safe }) => {
                 drop(control_read);
                 drop(lines_write);
+                let mut cell = cell;
+                cell.forked();
                 if !safe {
                     let _ = process::reap(pid);
                     tracing::error!(
