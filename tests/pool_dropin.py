@@ -44,7 +44,8 @@ def gone(pid, limit=10.0):
         try:
             with open(f"/proc/{pid}/stat") as handle:
                 state = handle.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
+            # Gone, or gone between the open and the read.
             return True
         if state in ("Z", "X"):
             return True
