@@ -48,6 +48,12 @@ pub enum Frame {
     },
     /// The zygote has nothing more to say about the call.
     Done { ticket: u64 },
+    /// Zygote → a node's own zygote: whoever sent the call is gone; end
+    /// its run, if it has one.
+    Abandon { ticket: u64 },
+    /// The process serving the call is gone, with the call's child, and
+    /// nothing more comes: the call's reply is a failure saying why.
+    Lost { ticket: u64, message: String },
 }
 
 const CALL: u8 = 1;
@@ -58,11 +64,51 @@ const PIPE: u8 = 5;
 const LINE: u8 = 6;
 const ENDED: u8 = 7;
 const DONE: u8 = 8;
+const ABANDON: u8 = 9;
+const LOST: u8 = 10;
 
 /// An `Ended` code at or below `-OVER_MEMORY_LIMIT` is a memory-limit kill.
 const OVER_MEMORY_LIMIT: i32 = 1000;
 
 impl Frame {
+    /// The call a frame is about, if it is about one.
+    pub fn ticket(&self) -> Option<u64> {
+        match self {
+            Frame::Call { ticket, .. }
+            | Frame::Started { ticket, .. }
+            | Frame::Pipe { ticket, .. }
+            | Frame::Line { ticket, .. }
+            | Frame::Ended { ticket, .. }
+            | Frame::Done { ticket }
+            | Frame::Abandon { ticket }
+            | Frame::Lost { ticket, .. } => Some(*ticket),
+            Frame::Ready | Frame::Failed { .. } => None,
+        }
+    }
+
+    /// Whether nothing more comes about its call after this frame.
+    pub fn is_last(&self) -> bool {
+        matches!(
+            self,
+            Frame::Ended { .. } | Frame::Done { .. } | Frame::Lost { .. }
+        )
+    }
+
+    /// The same frame about the call the receiver knows as `ticket`.
+    pub fn with_ticket(self, ticket: u64) -> Frame {
+        match self {
+            Frame::Call { request, .. } => Frame::Call { ticket, request },
+            Frame::Started { pid, pidfd, .. } => Frame::Started { ticket, pid, pidfd },
+            Frame::Pipe { pipe, .. } => Frame::Pipe { ticket, pipe },
+            Frame::Line { line, .. } => Frame::Line { ticket, line },
+            Frame::Ended { end, logs, .. } => Frame::Ended { ticket, end, logs },
+            Frame::Done { .. } => Frame::Done { ticket },
+            Frame::Abandon { .. } => Frame::Abandon { ticket },
+            Frame::Lost { message, .. } => Frame::Lost { ticket, message },
+            other => other,
+        }
+    }
+
     /// The bytes of a frame that carries no fd (what the agent sends).
     pub fn bytes(&self) -> Vec<u8> {
         let (bytes, fd) = self.encode();
@@ -99,6 +145,10 @@ impl Frame {
                 (ENDED, *ticket, payload, None)
             }
             Frame::Done { ticket } => (DONE, *ticket, Vec::new(), None),
+            Frame::Abandon { ticket } => (ABANDON, *ticket, Vec::new(), None),
+            Frame::Lost { ticket, message } => {
+                (LOST, *ticket, message.as_bytes().to_vec(), None)
+            }
         };
         let mut bytes = Vec::with_capacity(13 + payload.len());
         bytes.extend_from_slice(&((9 + payload.len()) as u32).to_le_bytes());
@@ -166,6 +216,11 @@ impl Frame {
                 }
             }
             DONE => Frame::Done { ticket },
+            ABANDON => Frame::Abandon { ticket },
+            LOST => Frame::Lost {
+                ticket,
+                message: String::from_utf8_lossy(payload).into_owned(),
+            },
             other => return Err(format!("an unknown frame kind {other}")),
         })
     }

@@ -353,6 +353,7 @@ impl Slot {
                     | Frame::Done { ticket: t }
                     | Frame::Pipe { ticket: t, .. }
                     | Frame::Started { ticket: t, .. }
+                    | Frame::Lost { ticket: t, .. }
                         if t != ticket => {}
                     Frame::Line { line, .. } => {
                         replied |= !protocol::is_event(&line);
@@ -370,7 +371,29 @@ impl Slot {
                         }
                         break 'call Followed::Done;
                     }
-                    Frame::Done { .. } if pipe.is_none() => break 'call Followed::Done,
+                    // Nothing more comes (the process that served it is
+                    // gone, or never started it): its lines so far, then a
+                    // reply if it wrote none.
+                    Frame::Done { .. } | Frame::Lost { .. } => {
+                        if let Some(fd) = pipe.take() {
+                            drain(fd.as_raw_fd(), &mut lines);
+                            replied |= self.relay(&mut lines, id, call_id);
+                        }
+                        if !replied {
+                            let message = match frame {
+                                Frame::Lost { message, .. } => message,
+                                _ => "the zygote ended the call without a reply".to_string(),
+                            };
+                            self.write(&protocol::failure_reply(
+                                id,
+                                call_id,
+                                "RemoteError",
+                                &message,
+                                "",
+                            ));
+                        }
+                        break 'call Followed::Done;
+                    }
                     _ => {}
                 }
             }

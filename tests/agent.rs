@@ -889,16 +889,20 @@ fn hundreds_of_calls_leave_no_fd_or_process_behind() {
     let engine = Engine::start(Answer::Welcome);
     let agent = Agent::start(&engine.url, &[], &[]);
     let connection = engine.next_connection(WAIT);
+    // Forty nodes in turn: more than the zygote keeps node zygotes for, so
+    // they are ended and forked again as the calls go round.
     let source = "import os\ndef process(i):\n    yield {'i': i}\n    return os.getppid()\n";
     let mut call = |i: usize| {
-        connection
-            .reply_to(&run(&format!("m{i}"), source, json!({"i": i})), WAIT)
-            .1
+        let mut request = run(&format!("m{i}"), source, json!({"i": i}));
+        request["node"] = json!(format!("n{}", i % 40));
+        connection.reply_to(&request, WAIT).1
     };
-    let zygote = (0..20).map(&mut call).last().unwrap()["result"]
+    let node_zygote = (0..20).map(&mut call).last().unwrap()["result"]
         .as_i64()
         .unwrap() as i32;
+    let zygote = common::parent_of(node_zygote);
     let agent_pid = agent.child.id() as i32;
+    assert_eq!(common::parent_of(zygote), agent_pid, "the agent's zygote");
     // Let the last call's child be reaped.
     std::thread::sleep(Duration::from_millis(300));
     let before = (
@@ -907,7 +911,17 @@ fn hundreds_of_calls_leave_no_fd_or_process_behind() {
         common::children_of(zygote).len(),
     );
     for i in 20..320 {
-        assert_eq!(call(i)["result"], zygote);
+        let reply = call(i);
+        assert_eq!(reply["ok"], true, "{reply}");
+    }
+    // One node again and again: its zygote serves it, with no fd or child
+    // more.
+    let node_zygote = call(19)["result"].as_i64().unwrap() as i32;
+    std::thread::sleep(Duration::from_millis(300));
+    let node_fds = open_fds(node_zygote);
+    let node_children = common::children_of(node_zygote).len();
+    for k in 0..120 {
+        assert_eq!(call(19 + 40 * (k % 3))["result"], node_zygote);
     }
     std::thread::sleep(Duration::from_millis(300));
     let after = (
@@ -917,6 +931,11 @@ fn hundreds_of_calls_leave_no_fd_or_process_behind() {
     );
     assert_eq!(
         after, before,
-        "(agent fds, zygote fds, zygote children) after 300 more calls"
+        "(agent fds, zygote fds, zygote children) after 421 more calls"
+    );
+    assert_eq!(
+        (open_fds(node_zygote), common::children_of(node_zygote).len()),
+        (node_fds, node_children),
+        "(fds, children) of a node's own zygote after 120 more of its calls"
     );
 }

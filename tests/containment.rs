@@ -247,7 +247,7 @@ fn a_sigkilled_zygote_takes_its_calls_daemons_with_it() {
     let (_engine, _agent, connection) = agent_with_connection(&[]);
     let pids = agent_daemon(&connection, "z1");
     // The call's parent is the agent's zygote.
-    let zygote = parent_of(pids[1]);
+    let zygote = common::parent_of(pids[1]);
     common::sigkill(zygote);
     let (_, reply) = connection.reply("z1", WAIT);
     assert_eq!(reply["ok"], false, "{reply}");
@@ -256,11 +256,6 @@ fn a_sigkilled_zygote_takes_its_calls_daemons_with_it() {
     }
 }
 
-fn parent_of(pid: i32) -> i32 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("alive");
-    let (_, rest) = stat.rsplit_once(')').unwrap();
-    rest.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
 
 /// Allocates `mb` MiB in 16 MiB steps, touching every page.
 const GREEDY: &str = "def process(mb):\n    held = []\n    for _ in range(mb // 16):\n        held.append(bytearray(16 * 1024 * 1024))\n    return len(held) * 16\n";

@@ -229,6 +229,7 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
             Event::Frame(Frame::Done { .. }) => {
                 break Until::Gone("the zygote ended the call without a reply".into());
             }
+            Event::Frame(Frame::Lost { message, .. }) => break Until::Gone(message),
             Event::Frame(other) => tracing::warn!("unexpected from the zygote: {other:?}"),
             Event::Gone(why) => break Until::Gone(why),
         }
@@ -304,7 +305,11 @@ async fn forward_pipe(
                     return drain(call, &pipe, &mut lines).await.unwrap_or(Until::Ended(end, logs));
                 }
                 Some(Event::Frame(Frame::Started { pidfd, .. })) => call.started(pidfd),
-                Some(Event::Gone(why)) => {
+                Some(Event::Gone(why) | Event::Frame(Frame::Lost { message: why, .. })) => {
+                    return drain(call, &pipe, &mut lines).await.unwrap_or(Until::Gone(why));
+                }
+                Some(Event::Frame(Frame::Done { .. })) => {
+                    let why = "the zygote ended the call without a reply".to_string();
                     return drain(call, &pipe, &mut lines).await.unwrap_or(Until::Gone(why));
                 }
                 Some(other) => tracing::warn!("unexpected from the zygote: {other:?}"),

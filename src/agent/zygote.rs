@@ -211,7 +211,8 @@ impl Zygote {
             | Frame::Pipe { ticket, .. }
             | Frame::Line { ticket, .. }
             | Frame::Ended { ticket, .. }
-            | Frame::Done { ticket } => *ticket,
+            | Frame::Done { ticket }
+            | Frame::Lost { ticket, .. } => *ticket,
             other => {
                 tracing::warn!("the zygote said {other:?} out of turn");
                 return;

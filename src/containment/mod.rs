@@ -261,6 +261,73 @@ pub fn establish(role: Role, options: &Options) -> Result<Mechanism, Containment
     Ok(mechanism)
 }
 
+/// In a node's own zygote (`crate::zygote::app`), just forked from the
+/// zygote: none of its parent's cells are its own, its cells go in a
+/// subtree of their own, which its parent ends if it dies (whatever its
+/// calls left there, daemons included), and it is a subreaper as its
+/// parent is (the attribute is not inherited).
+pub fn become_node_zygote() {
+    let mut guard = state();
+    let Some(state) = guard.as_mut() else {
+        return;
+    };
+    // The warden's pipe was closed with every claimed fd; the handle must
+    // never close that number again.
+    std::mem::forget(state._warden.take());
+    state.spare.clear();
+    state.draining.clear();
+    state.next = 0;
+    let own = node_zygote_dir(std::process::id());
+    let memory_v2 = state.memory == Some(MemoryLimit::Cgroup(Version::V2));
+    if let Some(tree) = &state.tree {
+        let dir = tree.join(&own);
+        if std::fs::create_dir(&dir).is_ok() {
+            if memory_v2 {
+                let _ = cgroup::write(&dir.join("cgroup.subtree_control"), "+memory");
+            }
+            state.tree = Some(dir);
+        }
+    }
+    if let Some(memory_tree) = &state.memory_tree {
+        let dir = memory_tree.join(&own);
+        if std::fs::create_dir(&dir).is_ok() {
+            state.memory_tree = Some(dir);
+        }
+    }
+    if state.reaps_strays {
+        // SAFETY: prctl on this process alone.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
+    }
+}
+
+/// In the zygote, once a node's own zygote (`pid`) has ended however it
+/// ended: kills what its calls left in its cells, removes them, and ends
+/// its orphans that came back here.
+pub fn end_node_zygote(pid: i32) {
+    let (tree, memory_tree) = match state().as_ref() {
+        Some(state) => (state.tree.clone(), state.memory_tree.clone()),
+        None => (None, None),
+    };
+    let own = node_zygote_dir(pid as u32);
+    if let Some(tree) = tree {
+        let dir = tree.join(&own);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while cgroup::populated(&dir) && std::time::Instant::now() < deadline {
+            let _ = cgroup::write(&dir.join("cgroup.kill"), "1");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        cgroup::remove_tree(&dir);
+    }
+    if let Some(memory_tree) = memory_tree {
+        cgroup::remove_tree(&memory_tree.join(&own));
+    }
+    strays::end_all();
+}
+
+fn node_zygote_dir(pid: u32) -> String {
+    format!("zygote-{pid}")
+}
+
 /// The mechanism in force (session before [`establish`]).
 pub fn mechanism() -> Mechanism {
     state().as_ref().map_or(Mechanism::Session, |s| s.mechanism)

@@ -39,6 +39,11 @@ pub fn forget(pid: i32) {
     }
 }
 
+/// In a node's own zygote, just forked: its parent's children are not its.
+pub fn forget_all() {
+    *forked() = None;
+}
+
 /// Stops, kills and reaps every stray (see the module docs).
 pub fn end_all() {
     let deadline = Instant::now() + DEADLINE;

@@ -85,6 +85,17 @@ impl LogBuffer {
         }
     }
 
+    /// In a node's own zygote, just forked: unmaps every log buffer it
+    /// inherited (its parent's calls', which its module-level code must not
+    /// reach). Their owners are its parent's structures, never dropped here.
+    pub fn unmap_inherited() {
+        let mut mapped = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
+        for base in mapped.drain(..) {
+            // SAFETY: as in `unmap_all_others`.
+            unsafe { libc::munmap(base as *mut libc::c_void, MAPPING_BYTES) };
+        }
+    }
+
     /// (bytes, chars) written so far.
     fn counts(&self) -> (usize, usize) {
         // SAFETY: the mapping starts with a Header and lives as long as self.

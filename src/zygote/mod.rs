@@ -17,6 +17,7 @@
 //! The zygote never has a second thread of its own: every fork is checked
 //! by `fork::census`, at the moment of the fork.
 
+pub mod app;
 pub mod capture;
 pub mod channel;
 pub mod child;
@@ -659,6 +660,17 @@ impl Zygote {
                 self.remember(&key, &resumed.source, &digest, Residence::EachChild);
             }
         }
+    }
+
+    /// In a node's own zygote, just forked: the standby, resident and
+    /// landing children it copied are its parent's. Forgotten, never
+    /// dropped (dropping one would kill its parent's child, or close an fd
+    /// number this process uses for something else by then).
+    fn forget_inherited_children(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.children));
+        std::mem::forget(std::mem::take(&mut self.residents));
+        self.pid = nix::unistd::getpid();
+        self.generation += 1;
     }
 
     /// Whether forking became unsafe: the zygote must restart before it

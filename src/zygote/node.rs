@@ -302,6 +302,12 @@ pub fn publish(py: Python<'_>, key: &NodeKey, source: &str, digest: &str) {
 }
 
 /// Removes this zygote's module directory (at shutdown).
+/// In a node's own zygote: its parent's directory stays its parent's (on
+/// `sys.path` still, but never removed from here); it makes its own.
+pub fn forget_module_dir() {
+    MODULE_DIR.lock().unwrap_or_else(|e| e.into_inner()).take();
+}
+
 pub fn remove_module_dir() {
     if let Some(dir) = MODULE_DIR.lock().unwrap_or_else(|e| e.into_inner()).take() {
         let _ = std::fs::remove_dir_all(dir);

@@ -56,6 +56,12 @@ pub fn close_in_child() {
     }
 }
 
+/// In a node's own zygote, after [`close_in_child`]: those numbers are
+/// free again, and what it opens next under them is not claimed.
+pub fn closed_all() {
+    OURS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
 /// An fd that is the zygote's own for as long as it is open: claimed when
 /// made, forgotten just before it is closed.
 #[derive(Debug)]

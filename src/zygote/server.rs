@@ -14,6 +14,7 @@
 //! pool ends exactly its own call. The agent's zygote ends with its one
 //! link; a shared zygote ends with its last.
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
@@ -23,7 +24,9 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::unistd::Pid;
 use pyo3::prelude::*;
 
+use super::app::{self, NodeZygote};
 use super::flight::{CallOutput, FALLBACK_POLL_MS, Flight};
+use super::node::NodeKey;
 use super::plumbing::Claimed;
 use super::{Zygote, ZygoteOptions};
 use crate::link::{self, Frame, Received, Receiver};
@@ -103,13 +106,7 @@ fn serve_links(
                 return failed(&first, error.to_string());
             }
         };
-        let mut server = Server {
-            listener,
-            links: Vec::new(),
-            runs: Vec::new(),
-            next_link: 0,
-            contract,
-        };
+        let mut server = Server::new(listener, contract, Placement::NodeZygotes);
         if let Some(socket) = first
             && !server.open(socket)
         {
@@ -120,9 +117,36 @@ fn serve_links(
         }
         ready(None);
         let code = server.serve(py, &mut zygote);
+        server.end_node_zygotes();
         zygote.shutdown();
-        code
+        ExitCode::from(code)
     })
+}
+
+/// A node's own zygote serving the link to the zygote that forked it, until
+/// it closes; the exit code.
+pub(super) fn serve_link(
+    py: Python<'_>,
+    zygote: &mut Zygote,
+    link: OwnedFd,
+    contract: Contract,
+) -> i32 {
+    let mut server = Server::new(None, contract, Placement::Here);
+    if !server.open(Claimed::new(link)) {
+        return 0;
+    }
+    server.serve(py, zygote) as i32
+}
+
+/// Where the nodes a server is asked for are loaded and forked from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// Each in a zygote of its own (`super::app`), forked on its first
+    /// request: this process runs no node code, so no compile holds up
+    /// another node's calls, and its forks stay as cheap as its preloads.
+    NodeZygotes,
+    /// Here: this process is a node's own zygote.
+    Here,
 }
 
 /// One link: its socket and what has arrived on it.
@@ -146,9 +170,53 @@ struct Server {
     runs: Vec<Run>,
     next_link: u64,
     contract: Contract,
+    placement: Placement,
+    /// The nodes' own zygotes, and the calls relayed to them by their
+    /// tickets there.
+    node_zygotes: Vec<Relay>,
+    routes: HashMap<u64, Route>,
+    next_route: u64,
+}
+
+/// The most node zygotes kept: past it, the least recently used one with
+/// no call in flight is ended (a flow of many nodes, each process holding
+/// its node's module-level objects and its standby children).
+const MAX_NODE_ZYGOTES: usize = 16;
+
+/// A node's own zygote, as its parent relays to it.
+struct Relay {
+    node_zygote: NodeZygote,
+    /// When its node was last asked for (a count of relayed requests).
+    last_used: u64,
+    receiver: Receiver,
+    /// Frames not yet taken by its socket: it reads nothing while it loads
+    /// a node, and the zygote must not wait for it.
+    outbox: Vec<u8>,
+}
+
+/// A call relayed to a node's zygote: whose it is, to answer for it if
+/// that zygote dies.
+struct Route {
+    link: u64,
+    ticket: u64,
+    node_zygote: Pid,
 }
 
 impl Server {
+    fn new(listener: Option<Claimed>, contract: Contract, placement: Placement) -> Server {
+        Server {
+            listener,
+            links: Vec::new(),
+            runs: Vec::new(),
+            next_link: 0,
+            contract,
+            placement,
+            node_zygotes: Vec::new(),
+            routes: HashMap::new(),
+            next_route: 0,
+        }
+    }
+
     /// Takes a new link: says `Ready` on it. False if it is gone already.
     fn open(&mut self, socket: Claimed) -> bool {
         set_nonblocking(socket.as_raw_fd());
@@ -164,19 +232,19 @@ impl Server {
         true
     }
 
-    fn serve(&mut self, py: Python<'_>, zygote: &mut Zygote) -> ExitCode {
+    fn serve(&mut self, py: Python<'_>, zygote: &mut Zygote) -> u8 {
         // Set once forking became unsafe: no new call is taken, the runs in
         // flight (each forked safely) land and are reported, then the zygote
         // exits for a new one to be started.
         let mut restarting = false;
         loop {
-            if restarting && self.runs.is_empty() {
-                return ExitCode::from(MUST_RESTART);
+            if restarting && self.runs.is_empty() && self.routes.is_empty() {
+                return MUST_RESTART;
             }
             let linger = if self.links.is_empty() {
                 match (&self.listener, self.next_link) {
                     // The agent's link closed.
-                    (None, _) => return ExitCode::SUCCESS,
+                    (None, _) => return 0,
                     // A shared zygote's last slot left: the pool respawns a
                     // killed slot at once, and it should find the zygote warm.
                     (Some(_), n) if n > 0 => Some(shared_linger()),
@@ -189,15 +257,24 @@ impl Server {
                 Ok(ready) => ready,
                 Err(error) => {
                     tracing::error!("the zygote lost track of its links: {error}");
-                    return ExitCode::FAILURE;
+                    return 1;
                 }
             };
             if linger.is_some() && self.links.is_empty() && !ready.accept && self.runs.is_empty() {
-                return ExitCode::SUCCESS;
+                return 0;
             }
             for index in ready.exited.into_iter().rev() {
                 let run = self.runs.swap_remove(index);
                 self.land(zygote, run);
+            }
+            for pid in ready.writable {
+                self.flush_to(pid);
+            }
+            for pid in ready.relayed {
+                self.read_node_zygote(pid);
+            }
+            for pid in ready.ended {
+                self.node_zygote_ended(pid);
             }
             if ready.accept {
                 self.accept();
@@ -261,6 +338,7 @@ impl Server {
                         return true;
                     }
                 }
+                Ok(Some(Frame::Abandon { ticket })) => self.abandon(zygote, id, ticket),
                 Ok(Some(other)) => {
                     tracing::warn!("the zygote ignores an unexpected frame: {other:?}")
                 }
@@ -274,7 +352,7 @@ impl Server {
         }
     }
 
-    /// Waits for a frame, a slot, or a run's exit.
+    /// Waits for a frame, a slot, a run's exit, or news of a node's zygote.
     fn wait(
         &self,
         taking_calls: bool,
@@ -292,6 +370,20 @@ impl Server {
         let first_link = fds.len();
         for link in &self.links {
             fds.push(PollFd::new(link.socket.as_fd(), interest));
+        }
+        // Each node zygote: its socket, then its exit.
+        let first_relay = fds.len();
+        for relay in &self.node_zygotes {
+            let mut flags = PollFlags::POLLIN;
+            if !relay.outbox.is_empty() {
+                flags |= PollFlags::POLLOUT;
+            }
+            fds.push(PollFd::new(relay.node_zygote.link.as_fd(), flags));
+            match relay.node_zygote.exit.fd() {
+                Some(fd) => fds.push(PollFd::new(fd, PollFlags::POLLIN)),
+                // Without pidfds its socket closing says it ended.
+                None => fds.push(PollFd::new(relay.node_zygote.link.as_fd(), PollFlags::empty())),
+            }
         }
         let first_run = fds.len();
         let mut owners = Vec::new();
@@ -317,15 +409,35 @@ impl Server {
             Err(error) => return Err(error.into()),
         }
         let is_ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+        let has = |fd: &PollFd<'_>, flag: PollFlags| fd.revents().is_some_and(|r| r.intersects(flag));
         let accept = taking_calls && self.listener.is_some() && is_ready(&fds[0]);
         // A closed link reads as POLLHUP even when calls are not taken.
         let links = self
             .links
             .iter()
-            .zip(&fds[first_link..first_run])
+            .zip(&fds[first_link..first_relay])
             .filter(|(_, fd)| is_ready(fd))
             .map(|(link, _)| link.id)
             .collect();
+        let mut relayed = Vec::new();
+        let mut writable = Vec::new();
+        let mut ended = Vec::new();
+        for (relay, pair) in self
+            .node_zygotes
+            .iter()
+            .zip(fds[first_relay..first_run].chunks(2))
+        {
+            let pid = relay.node_zygote.pid;
+            if has(&pair[0], PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
+                relayed.push(pid);
+            }
+            if has(&pair[0], PollFlags::POLLOUT) {
+                writable.push(pid);
+            }
+            if relay.node_zygote.exit.fd().is_some() && is_ready(&pair[1]) {
+                ended.push(pid);
+            }
+        }
         let mut exited: Vec<usize> = owners
             .iter()
             .zip(&fds[first_run..])
@@ -343,6 +455,9 @@ impl Server {
             accept,
             links,
             exited,
+            relayed,
+            writable,
+            ended,
         })
     }
 
@@ -355,23 +470,29 @@ impl Server {
         ticket: u64,
         request: &[u8],
     ) -> bool {
-        let Some(socket) = self.socket_of(id) else {
-            return false;
-        };
-        let mut out = LinkOutput { socket, ticket };
         let parsed = match self.contract {
             Contract::Agent => protocol::parse_request(request),
             Contract::Worker => protocol::parse_worker_request(request),
         };
-        let request = match parsed {
-            Ok(request) => request,
+        let parsed = match parsed {
+            Ok(parsed) => parsed,
             Err(refusal) => {
-                out.reply(&refusal.reply());
-                send(socket, Frame::Done { ticket });
+                if let Some(socket) = self.socket_of(id) {
+                    LinkOutput { socket, ticket }.reply(&refusal.reply());
+                    send(socket, Frame::Done { ticket });
+                }
                 return false;
             }
         };
-        match zygote.serve_detached(py, &request, &mut out) {
+        if self.placement == Placement::NodeZygotes {
+            self.relay(py, zygote, id, ticket, &parsed, request);
+            return zygote.needs_recovery();
+        }
+        let Some(socket) = self.socket_of(id) else {
+            return false;
+        };
+        let mut out = LinkOutput { socket, ticket };
+        match zygote.serve_detached(py, &parsed, &mut out) {
             Ok(Some(mut flight)) => {
                 if let Some(pipe) = flight.take_pipe() {
                     send(socket, Frame::Pipe { ticket, pipe });
@@ -388,8 +509,8 @@ impl Server {
             Err(must) => {
                 if !must.answered {
                     out.reply(&protocol::failure_reply(
-                        &request.id,
-                        &request.call_id,
+                        &parsed.id,
+                        &parsed.call_id,
                         "RemoteError",
                         "the zygote can no longer fork safely and is restarting; send the call again",
                         "",
@@ -400,6 +521,245 @@ impl Server {
             }
         }
         zygote.needs_recovery()
+    }
+
+    /// Hands a request to its node's own zygote, forking one if the node
+    /// has none yet; its frames come back through [`Server::read_node_zygote`].
+    fn relay(
+        &mut self,
+        py: Python<'_>,
+        zygote: &mut Zygote,
+        link: u64,
+        ticket: u64,
+        parsed: &protocol::Request,
+        request: &[u8],
+    ) {
+        let key = NodeKey {
+            flow: parsed.flow.clone(),
+            node: parsed.node.clone(),
+        };
+        self.next_route += 1;
+        let relayed = self.next_route;
+        let pid = match self.node_zygotes.iter_mut().find(|r| r.node_zygote.key == key) {
+            Some(relay) => {
+                relay.last_used = relayed;
+                relay.node_zygote.pid
+            }
+            None => match {
+                self.retire_one();
+                app::spawn(py, zygote, &key, self.contract, None)
+            } {
+                Ok(node_zygote) => {
+                    set_nonblocking(node_zygote.raw_link());
+                    let pid = node_zygote.pid;
+                    tracing::debug!(node = %key, pid = pid.as_raw(), "forked the node's own zygote");
+                    self.node_zygotes.push(Relay {
+                        node_zygote,
+                        last_used: relayed,
+                        receiver: Receiver::default(),
+                        outbox: Vec::new(),
+                    });
+                    pid
+                }
+                Err(error) => {
+                    if let Some(socket) = self.socket_of(link) {
+                        let message = format!("could not start the node's zygote: {error}");
+                        LinkOutput { socket, ticket }.reply(&protocol::failure_reply(
+                            &parsed.id,
+                            &parsed.call_id,
+                            "RemoteError",
+                            &message,
+                            "",
+                        ));
+                        send(socket, Frame::Done { ticket });
+                    }
+                    return;
+                }
+            },
+        };
+        self.routes.insert(
+            relayed,
+            Route {
+                link,
+                ticket,
+                node_zygote: pid,
+            },
+        );
+        self.post(
+            pid,
+            &Frame::Call {
+                ticket: relayed,
+                request: request.to_vec(),
+            },
+        );
+    }
+
+    /// Makes room for one more node zygote: past [`MAX_NODE_ZYGOTES`], ends
+    /// the least recently used one with no call in flight.
+    fn retire_one(&mut self) {
+        if self.node_zygotes.len() < MAX_NODE_ZYGOTES {
+            return;
+        }
+        let busy: std::collections::HashSet<Pid> =
+            self.routes.values().map(|route| route.node_zygote).collect();
+        let Some(index) = self
+            .node_zygotes
+            .iter()
+            .enumerate()
+            .filter(|(_, relay)| !busy.contains(&relay.node_zygote.pid))
+            .min_by_key(|(_, relay)| relay.last_used)
+            .map(|(index, _)| index)
+        else {
+            return;
+        };
+        let relay = self.node_zygotes.swap_remove(index);
+        tracing::debug!(node = %relay.node_zygote.key, "ended the least recently used node zygote");
+        relay.node_zygote.end();
+    }
+
+    /// Queues a frame for a node zygote and sends what its socket takes.
+    fn post(&mut self, pid: Pid, frame: &Frame) {
+        if let Some(relay) = self.node_zygotes.iter_mut().find(|r| r.node_zygote.pid == pid) {
+            relay.outbox.extend_from_slice(&frame.bytes());
+        }
+        self.flush_to(pid);
+    }
+
+    /// Sends what a node zygote's socket takes of its outbox, without
+    /// waiting.
+    fn flush_to(&mut self, pid: Pid) {
+        let Some(relay) = self.node_zygotes.iter_mut().find(|r| r.node_zygote.pid == pid) else {
+            return;
+        };
+        while !relay.outbox.is_empty() {
+            match nix::sys::socket::send(
+                relay.node_zygote.raw_link(),
+                &relay.outbox,
+                nix::sys::socket::MsgFlags::MSG_NOSIGNAL | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            ) {
+                // A call's request must not stay behind in this memory.
+                Ok(sent) => crate::scrub::drain_front(&mut relay.outbox, sent),
+                Err(nix::errno::Errno::EINTR) => {}
+                // Full, or gone (its end is read next).
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Reads a node zygote's frames and passes each to the call it belongs
+    /// to, under that call's own ticket.
+    fn read_node_zygote(&mut self, pid: Pid) {
+        let Some(index) = self.node_zygotes.iter().position(|r| r.node_zygote.pid == pid) else {
+            return;
+        };
+        loop {
+            let relay = &mut self.node_zygotes[index];
+            match relay.receiver.receive(relay.node_zygote.link.as_fd()) {
+                Ok(Received::Data) => {}
+                Ok(Received::WouldBlock) => break,
+                Ok(Received::Closed) | Err(_) => {
+                    self.forward_frames(index);
+                    self.node_zygote_ended(pid);
+                    return;
+                }
+            }
+        }
+        self.forward_frames(index);
+    }
+
+    fn forward_frames(&mut self, index: usize) {
+        loop {
+            let frame = match self.node_zygotes[index].receiver.next_frame() {
+                Ok(Some(frame)) => frame,
+                Ok(None) => return,
+                Err(error) => {
+                    tracing::error!("a node's zygote sent a frame the zygote cannot read: {error}");
+                    return;
+                }
+            };
+            let Some(relayed) = frame.ticket() else {
+                if let Frame::Failed { message } = frame {
+                    tracing::error!("a node's zygote failed: {message}");
+                }
+                continue;
+            };
+            let Some(route) = self.routes.get(&relayed) else {
+                // Its caller is gone (the run was abandoned).
+                continue;
+            };
+            let (link, ticket) = (route.link, route.ticket);
+            if frame.is_last() {
+                self.routes.remove(&relayed);
+            }
+            if let Some(socket) = self.socket_of(link) {
+                send(socket, frame.with_ticket(ticket));
+            }
+        }
+    }
+
+    /// A node's zygote has ended: each call it had is told so, with how it
+    /// ended; what its calls left is ended too. Its node's next request
+    /// forks a new one.
+    fn node_zygote_ended(&mut self, pid: Pid) {
+        let Some(index) = self.node_zygotes.iter().position(|r| r.node_zygote.pid == pid) else {
+            return;
+        };
+        let relay = self.node_zygotes.swap_remove(index);
+        let key = relay.node_zygote.key.clone();
+        let how = match crate::process::reap(pid) {
+            Ok(reaped) => reaped.end.to_string(),
+            Err(_) => "ended".to_string(),
+        };
+        drop(relay);
+        crate::containment::end_node_zygote(pid.as_raw());
+        let orphaned: Vec<u64> = self
+            .routes
+            .iter()
+            .filter(|(_, route)| route.node_zygote == pid)
+            .map(|(&relayed, _)| relayed)
+            .collect();
+        if !orphaned.is_empty() {
+            tracing::warn!(node = %key, pid = pid.as_raw(), "the node's own zygote {how} with calls in flight");
+        }
+        for relayed in orphaned {
+            let Some(route) = self.routes.remove(&relayed) else {
+                continue;
+            };
+            if let Some(socket) = self.socket_of(route.link) {
+                let message = format!("the zygote of node {key} (pid {pid}) {how}");
+                send(
+                    socket,
+                    Frame::Lost {
+                        ticket: route.ticket,
+                        message,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Ends every node zygote, and what their calls left.
+    fn end_node_zygotes(&mut self) {
+        for relay in self.node_zygotes.drain(..) {
+            relay.node_zygote.end();
+        }
+    }
+
+    /// In a node zygote: the caller of `ticket` on link `id` is gone; its
+    /// run (if it has one in flight) ends with its cell.
+    fn abandon(&mut self, zygote: &mut Zygote, id: u64, ticket: u64) {
+        let Some(index) = self
+            .runs
+            .iter()
+            .position(|r| r.link == id && r.ticket == ticket)
+        else {
+            return;
+        };
+        let run = self.runs.swap_remove(index);
+        crate::process::kill_group(run.flight.pid, nix::sys::signal::Signal::SIGKILL);
+        if let Ok(landed) = run.flight.land(&mut Discard) {
+            zygote.recycle(landed.logs);
+        }
     }
 
     fn socket_of(&self, id: u64) -> Option<BorrowedFd<'_>> {
@@ -439,6 +799,16 @@ impl Server {
     /// Link `id` is gone: every run it started ends with its cell.
     fn close(&mut self, zygote: &mut Zygote, id: u64) {
         self.links.retain(|l| l.id != id);
+        let abandoned: Vec<(u64, Pid)> = self
+            .routes
+            .iter()
+            .filter(|(_, route)| route.link == id)
+            .map(|(&relayed, route)| (relayed, route.node_zygote))
+            .collect();
+        for (relayed, pid) in abandoned {
+            self.routes.remove(&relayed);
+            self.post(pid, &Frame::Abandon { ticket: relayed });
+        }
         let (theirs, others): (Vec<Run>, Vec<Run>) = std::mem::take(&mut self.runs)
             .into_iter()
             .partition(|r| r.link == id);
@@ -471,6 +841,12 @@ struct Ready {
     links: Vec<u64>,
     /// Indices of runs whose child has exited, ascending.
     exited: Vec<usize>,
+    /// Node zygotes with frames to read (or a closed socket).
+    relayed: Vec<Pid>,
+    /// Node zygotes whose socket takes more of their outbox.
+    writable: Vec<Pid>,
+    /// Node zygotes that exited.
+    ended: Vec<Pid>,
 }
 
 /// A failed send means the link's owner is gone; the next read says so.

@@ -246,6 +246,16 @@ pub fn wait_gone(pid: i32, limit: Duration) -> bool {
     is_gone(pid)
 }
 
+/// The parent of a live process.
+pub fn parent_of(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("alive");
+    let (_, rest) = stat.rsplit_once(')').expect("a stat line");
+    rest.split_whitespace()
+        .nth(1)
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("a parent pid")
+}
+
 /// The pids whose parent is `parent`, with their state letter.
 pub fn children_of(parent: i32) -> Vec<(i32, char)> {
     let mut found = Vec::new();

@@ -1,0 +1,172 @@
+//! A node's own zygote, as Android's "app zygote": forked from the zygote,
+//! it holds one node loaded and forks that node's calls.
+//!
+//! The issues this solves:
+//! 1. A node's module-level work runs where it is loaded. Loaded in the
+//!    zygote that serves every node, ten seconds of it (a checkpoint read,
+//!    a model built) stop every other node's calls for ten seconds.
+//! 2. Fork and exit cost grows with the forking process's page tables: a
+//!    node whose module level holds 400 MB of Python objects, loaded in the
+//!    shared zygote, makes every other node's calls several times slower.
+//!
+//! So the zygote forks a process per node that needs one (a fork: about a
+//! millisecond, whatever the node does next), and that process loads the
+//! node and serves its calls over a link (`crate::link`), exactly as the
+//! agent's zygote serves the agent: its children are its own, in cells of
+//! a subtree of their own. The zygote relays requests to it and its frames
+//! back ([`super::server`]); it stays as small as its preloads, and a
+//! compile in one node's zygote holds up no other node.
+//!
+//! It dies with the zygote (a parent-death SIGKILL, and the zygote's warden
+//! ends its cells). If it dies alone, the zygote ends what its calls left
+//! ([`crate::containment::end_node_zygote`]) and says so to each of them.
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use nix::unistd::Pid;
+use pyo3::prelude::*;
+
+use super::capture::LogBuffer;
+use super::node::NodeKey;
+use super::plumbing::{self, Claimed};
+use super::server::Contract;
+use super::{Zygote, fork, freeze_gc, node};
+use crate::link::{self, Frame, Received, Receiver};
+use crate::process::ExitWatch;
+
+/// A node's own zygote, seen from the zygote that forked it.
+pub struct NodeZygote {
+    pub key: NodeKey,
+    pub pid: Pid,
+    pub link: Claimed,
+    pub exit: ExitWatch,
+}
+
+/// The node to load before serving, when the caller has already tried it
+/// (its trial went cleanly): its source and digest.
+pub struct Preload<'a> {
+    pub source: &'a str,
+    pub digest: &'a str,
+}
+
+/// Forks a zygote of its own for node `key`. It loads `preload` first (if
+/// given), then serves the link under `contract` until the link closes.
+/// Returns in the parent only.
+pub fn spawn(
+    py: Python<'_>,
+    zygote: &mut Zygote,
+    key: &NodeKey,
+    contract: Contract,
+    preload: Option<Preload<'_>>,
+) -> std::io::Result<NodeZygote> {
+    let (ours, theirs) = UnixStream::pair()?;
+    let ours = Claimed::new(OwnedFd::from(ours));
+    let theirs = Claimed::new(OwnedFd::from(theirs));
+    freeze_gc(py);
+    let parent = nix::unistd::getpid();
+    match fork::fork(py)? {
+        fork::Forked::Child => {
+            // The parent's end, closed with every claimed fd: never dropped.
+            std::mem::forget(ours);
+            let link = become_node_zygote(zygote, parent, theirs);
+            if let Some(preload) = preload {
+                zygote.load_into_zygote(py, key, preload.source, preload.digest);
+            }
+            let code = super::server::serve_link(py, zygote, link, contract);
+            zygote.shutdown();
+            super::child::exit(code)
+        }
+        fork::Forked::Parent { pid, safe } => {
+            drop(theirs);
+            if !safe {
+                // It exits at once, having run nothing.
+                let _ = crate::process::reap(pid);
+                zygote.needs_recovery = true;
+                return Err(std::io::Error::other(
+                    "a thread that does not stop at fork is running in the zygote",
+                ));
+            }
+            crate::process::set_cloexec(ours.as_fd());
+            Ok(NodeZygote {
+                key: key.clone(),
+                pid,
+                link: ours,
+                exit: ExitWatch::new(pid),
+            })
+        }
+    }
+}
+
+/// In the child: sheds everything that was its parent's (the links, the
+/// standby children, the cells and log buffers of other calls), dies with
+/// its parent, and returns its end of the link.
+fn become_node_zygote(zygote: &mut Zygote, parent: Pid, link: Claimed) -> OwnedFd {
+    // Everything the parent claimed is closed here, this link's end with
+    // it: taken out first, and claimed again as this process's own.
+    let link = link.release();
+    plumbing::close_in_child();
+    plumbing::closed_all();
+    // SAFETY: prctl and getppid act on this process alone.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+        if libc::getppid() != parent.as_raw() {
+            libc::_exit(1);
+        }
+    }
+    zygote.forget_inherited_children();
+    LogBuffer::unmap_inherited();
+    crate::containment::strays::forget_all();
+    crate::containment::become_node_zygote();
+    node::forget_module_dir();
+    link
+}
+
+/// Blocks for the node zygote's first frame: `Ready`, or why it is not.
+pub fn wait_ready(node_zygote: &NodeZygote, receiver: &mut Receiver) -> Result<(), String> {
+    loop {
+        match receiver.next_frame() {
+            Ok(Some(Frame::Ready)) => return Ok(()),
+            Ok(Some(Frame::Failed { message })) => return Err(message),
+            Ok(Some(other)) => return Err(format!("it said {other:?} before it was ready")),
+            Ok(None) => {}
+            Err(error) => return Err(error),
+        }
+        match receiver.receive(node_zygote.link.as_fd()) {
+            Ok(Received::Data) => {}
+            Ok(Received::WouldBlock) => {
+                let mut fds = [nix::poll::PollFd::new(
+                    node_zygote.link.as_fd(),
+                    nix::poll::PollFlags::POLLIN,
+                )];
+                let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE);
+            }
+            Ok(Received::Closed) | Err(_) => {
+                return Err(format!(
+                    "it ended as it started (pid {})",
+                    node_zygote.pid
+                ));
+            }
+        }
+    }
+}
+
+/// Sends a frame to a node zygote, whole.
+pub fn send(node_zygote: &NodeZygote, frame: &Frame) -> std::io::Result<()> {
+    link::send(node_zygote.link.as_fd(), frame)
+}
+
+impl NodeZygote {
+    /// Ends it (its link closed, then SIGKILL) and whatever its calls left.
+    pub fn end(self) {
+        let pid = self.pid;
+        drop(self.link);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        let _ = crate::process::reap(pid);
+        crate::containment::end_node_zygote(pid.as_raw());
+    }
+
+    pub fn raw_link(&self) -> std::os::fd::RawFd {
+        self.link.as_raw_fd()
+    }
+}
