@@ -415,6 +415,7 @@ impl ZygoteArgs {
                 IsolationArg::Node => crate::zygote::resident::Isolation::Node,
             },
             max_calls_per_child: self.max_calls_per_child.filter(|&n| n > 0),
+            node_zygote_mib: None,
             containment: crate::containment::Options {
                 memory_limit_mib: self.call_memory_limit.filter(|&mib| mib > 0),
             },
@@ -431,6 +432,14 @@ struct WorkerArgs {
     /// Refuse (and skip) a request line longer than this, in MiB
     #[arg(long, value_name = "MIB", default_value_t = 512)]
     max_request_mb: usize,
+
+    /// A node whose module level leaves this much memory or more (a model, a big table)
+    /// gets a zygote of its own, forked from this one: every other node's calls keep
+    /// forking from a small process. 0: every node gets one. With --isolation node, nodes
+    /// stay in this zygote
+    #[arg(long, env = "FLUKSIO_NODE_ZYGOTE_MIB", value_name = "MIB", default_value_t = 64,
+          help_heading = "Zygote")]
+    node_zygote_mib: u64,
 
     /// Share one zygote with every worker started alike on this machine (the pool's
     /// slots): one copy of the preloads, and a killed worker costs its call's child,
@@ -569,7 +578,10 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Worker(args) => {
             let options = WorkerOptions {
-                zygote: args.zygote.options(),
+                zygote: ZygoteOptions {
+                    node_zygote_mib: Some(args.node_zygote_mib),
+                    ..args.zygote.options()
+                },
                 max_request_bytes: args.max_request_mb.saturating_mul(1 << 20),
             };
             if args.shared_zygote {

@@ -45,6 +45,40 @@ pub struct Request {
     pub env: Vec<(String, String)>,
 }
 
+impl Request {
+    /// This request as a line of the worker contract, for a zygote that
+    /// serves it elsewhere (a node's own zygote): what it would read had
+    /// it come first-hand, `env` left out as the contract leaves it.
+    pub fn to_worker_line(&self) -> Vec<u8> {
+        #[derive(Serialize)]
+        struct Line<'a> {
+            id: &'a RawValue,
+            op: &'static str,
+            call_id: &'a str,
+            flow: &'a str,
+            node: &'a str,
+            source: &'a str,
+            keep: bool,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            kwargs: Option<&'a RawValue>,
+        }
+        let line = Line {
+            id: &self.id,
+            op: match self.op {
+                Op::Compile => "compile",
+                Op::Run => "run",
+            },
+            call_id: &self.call_id,
+            flow: &self.flow,
+            node: &self.node,
+            source: &self.source,
+            keep: self.keep,
+            kwargs: self.kwargs.as_deref(),
+        };
+        serde_json::to_vec(&line).expect("a request of JSON values serialises")
+    }
+}
+
 /// A line that cannot be served: answered with a `ProtocolError` reply.
 #[derive(Debug)]
 pub struct ProtocolError {

@@ -23,7 +23,7 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
@@ -32,10 +32,11 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use crate::lines::{LineBuffer, Piece};
-use crate::link::{self, Frame, Received, Receiver};
+use crate::link::follow::{self, Followed};
+use crate::link::{self, Frame, Receiver};
 use crate::protocol;
 use crate::worker::WorkerOptions;
+use crate::zygote::flight::CallOutput;
 
 /// Turns a worker into a slot of a shared zygote, for the pool (which
 /// passes no flags).
@@ -202,7 +203,7 @@ impl Slot {
         };
         drop(lock);
         let mut receiver = Receiver::default();
-        match next_frame(&stream, &mut receiver) {
+        match follow::next_frame(stream.as_fd(), &mut receiver) {
             Some(Frame::Ready) => {
                 self.link = Some(stream);
                 Ok(())
@@ -307,154 +308,26 @@ impl Slot {
         }
     }
 
-    /// Relays the call's lines until its reply, or until the zygote says
-    /// it ended without one (then the slot writes the reply).
+    /// Relays the call's lines until it is over (`crate::link::follow`).
     fn follow(&mut self, ticket: u64, id: &RawValue, call_id: &str) -> Followed {
         let stream = self.link.take().expect("connected");
-        let mut receiver = Receiver::default();
-        let mut pipe: Option<OwnedFd> = None;
-        let mut lines = LineBuffer::new();
-        let mut replied = false;
-        let outcome = 'call: loop {
-            if replied {
-                break Followed::Done;
-            }
-            let (link_ready, pipe_ready) = {
-                let mut fds = vec![PollFd::new(stream.as_fd(), PollFlags::POLLIN)];
-                if let Some(pipe) = &pipe {
-                    fds.push(PollFd::new(pipe.as_fd(), PollFlags::POLLIN));
-                }
-                match poll(&mut fds, PollTimeout::NONE) {
-                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                    Err(_) => break Followed::LinkLost { replied },
-                }
-                let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
-                (ready(&fds[0]), fds.get(1).is_some_and(ready))
-            };
-            if pipe_ready && let Some(fd) = pipe.as_ref().map(|p| p.as_raw_fd()) {
-                match lines.read_fd(fd) {
-                    Ok(0) | Err(_) => pipe = None,
-                    Ok(_) => replied |= self.relay(&mut lines, id, call_id),
-                }
-                continue;
-            }
-            if !link_ready {
-                continue;
-            }
-            match receiver.receive(stream.as_fd()) {
-                Ok(Received::Data) | Ok(Received::WouldBlock) => {}
-                Ok(Received::Closed) | Err(_) => break Followed::LinkLost { replied },
-            }
-            while let Ok(Some(frame)) = receiver.next_frame() {
-                match frame {
-                    // Another call's late news: that call is over.
-                    Frame::Line { ticket: t, .. }
-                    | Frame::Ended { ticket: t, .. }
-                    | Frame::Done { ticket: t }
-                    | Frame::Pipe { ticket: t, .. }
-                    | Frame::Started { ticket: t, .. }
-                    | Frame::Lost { ticket: t, .. }
-                        if t != ticket => {}
-                    Frame::Line { line, .. } => {
-                        replied |= !protocol::is_event(&line);
-                        self.write(&line);
-                    }
-                    Frame::Pipe { pipe: fd, .. } => pipe = Some(fd),
-                    Frame::Ended { end, logs, .. } => {
-                        // What it wrote before it ended comes first.
-                        if let Some(fd) = pipe.take() {
-                            drain(fd.as_raw_fd(), &mut lines);
-                            replied |= self.relay(&mut lines, id, call_id);
-                        }
-                        if !replied {
-                            self.write(&protocol::ended_without_reply(id, call_id, end, &logs));
-                        }
-                        break 'call Followed::Done;
-                    }
-                    // Nothing more comes (the process that served it is
-                    // gone, or never started it): its lines so far, then a
-                    // reply if it wrote none.
-                    Frame::Done { .. } | Frame::Lost { .. } => {
-                        if let Some(fd) = pipe.take() {
-                            drain(fd.as_raw_fd(), &mut lines);
-                            replied |= self.relay(&mut lines, id, call_id);
-                        }
-                        if !replied {
-                            let message = match frame {
-                                Frame::Lost { message, .. } => message,
-                                _ => "the zygote ended the call without a reply".to_string(),
-                            };
-                            self.write(&protocol::failure_reply(
-                                id,
-                                call_id,
-                                "RemoteError",
-                                &message,
-                                "",
-                            ));
-                        }
-                        break 'call Followed::Done;
-                    }
-                    _ => {}
-                }
-            }
-        };
+        let mut out = Writer(self.reply_fd);
+        let outcome = follow::follow(stream.as_fd(), ticket, id, call_id, &mut out);
         self.link = Some(stream);
         outcome
     }
+}
 
-    /// Writes every whole line in `lines`; true once the reply went out.
-    fn relay(&self, lines: &mut LineBuffer, id: &RawValue, call_id: &str) -> bool {
-        let mut replied = false;
-        while let Some(piece) = lines.next_piece() {
-            if replied {
-                // Nothing after the reply belongs to the call.
-                continue;
-            }
-            match piece {
-                Piece::Line(line) => {
-                    replied = !protocol::is_event(line);
-                    self.write(line);
-                }
-                Piece::TooLarge(too_large) => {
-                    self.write(&too_large.reply(id, call_id));
-                    replied = true;
-                }
-            }
-        }
-        replied
+/// The slot's stdout, as a call's output.
+struct Writer(RawFd);
+
+impl CallOutput for Writer {
+    fn event(&mut self, line: &[u8]) {
+        let _ = crate::zygote::channel::write_all(self.0, line);
     }
-}
 
-/// How following a call ended.
-enum Followed {
-    Done,
-    /// The zygote's link closed: it died (or restarts itself).
-    LinkLost {
-        replied: bool,
-    },
-}
-
-/// Reads what is left in a pipe whose writer has exited, without waiting
-/// for a grandchild that may still hold it.
-fn drain(fd: RawFd, lines: &mut LineBuffer) {
-    // SAFETY: fcntl flag changes on an fd this process owns.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-    }
-    while matches!(lines.read_fd(fd), Ok(n) if n > 0) {}
-}
-
-/// Blocks for the next whole frame on a fresh link.
-fn next_frame(stream: &UnixStream, receiver: &mut Receiver) -> Option<Frame> {
-    loop {
-        if let Ok(Some(frame)) = receiver.next_frame() {
-            return Some(frame);
-        }
-        match receiver.receive(stream.as_fd()) {
-            Ok(Received::Data) => {}
-            _ => return None,
-        }
+    fn reply(&mut self, line: &[u8]) {
+        let _ = crate::zygote::channel::write_all(self.0, line);
     }
 }
 

@@ -939,3 +939,29 @@ fn hundreds_of_calls_leave_no_fd_or_process_behind() {
         "(fds, children) of a node's own zygote after 120 more of its calls"
     );
 }
+
+#[test]
+fn a_long_compile_holds_up_no_other_nodes_calls() {
+    let (_engine, _agent, connection) = attached();
+    let gate = common::scratch("long-compile").join("gate");
+    connection.send(&compile("slow", &common::gated_source(&gate, "slow")));
+    // Calls of other nodes, each forked and answered while it still loads.
+    for i in 0..5 {
+        let request = run(
+            &format!("fast{i}"),
+            "def process(i):\n    return i\n",
+            json!({"i": i}),
+        );
+        let (seen, reply) = connection.reply_to(&request, WAIT);
+        assert_eq!(reply["result"], i, "{reply}");
+        assert!(
+            seen.iter().all(|m| m["call_id"] != "slow"),
+            "the compile was answered before its module level ended: {seen:?}"
+        );
+    }
+    std::fs::write(&gate, "").unwrap();
+    let (_, reply) = connection.reply("slow", WAIT);
+    assert_eq!(reply["ok"], true, "{reply}");
+    let (_, reply) = connection.reply_to(&run("slow", &common::gated_source(&gate, "slow"), json!({})), WAIT);
+    assert_eq!(reply["result"], "slow", "{reply}");
+}

@@ -171,3 +171,21 @@ fn a_slot_answers_as_a_private_worker_does() {
     shared.send_line(b"not json");
     assert_eq!(shared.next_line()["error"]["type"], "ProtocolError");
 }
+
+#[test]
+fn one_slots_long_compile_holds_up_no_other_slots_calls() {
+    let mut a = slot("long-compile");
+    let mut b = slot("long-compile");
+    who(&mut a, 1);
+    let gate = common::scratch("slot-long-compile").join("gate");
+    a.send(&common::compile(2, "slow", &common::gated_source(&gate, "slow")));
+    // The other slot's calls are forked and answered while it loads.
+    for id in 3..8 {
+        let (call, _) = who(&mut b, id);
+        assert!(call > 0);
+    }
+    std::fs::write(&gate, "").unwrap();
+    let reply = a.answer().reply;
+    assert_eq!(reply["id"], 2, "{reply}");
+    assert_eq!(reply["ok"], true, "{reply}");
+}

@@ -39,6 +39,9 @@ pub enum TrialVerdict {
     /// Loaded, but a thread it started does not stop at fork: load it in
     /// each call's child instead.
     LoadedButForkUnsafe,
+    /// Loaded, and its module level left more memory than
+    /// `--node-zygote-mib`: it gets a zygote of its own (`super::app`).
+    LoadedHeavy,
     /// The source did not load; the reply says why.
     Failed,
 }
@@ -47,12 +50,14 @@ impl TrialVerdict {
     const LOADED: i32 = 0;
     const FORK_UNSAFE: i32 = 118;
     const FAILED: i32 = 119;
+    const HEAVY: i32 = 120;
 
     fn exit_code(self) -> i32 {
         match self {
             TrialVerdict::Loaded => Self::LOADED,
             TrialVerdict::LoadedButForkUnsafe => Self::FORK_UNSAFE,
             TrialVerdict::Failed => Self::FAILED,
+            TrialVerdict::LoadedHeavy => Self::HEAVY,
         }
     }
 
@@ -62,6 +67,7 @@ impl TrialVerdict {
             Self::LOADED => Some(TrialVerdict::Loaded),
             Self::FORK_UNSAFE => Some(TrialVerdict::LoadedButForkUnsafe),
             Self::FAILED => Some(TrialVerdict::Failed),
+            Self::HEAVY => Some(TrialVerdict::LoadedHeavy),
             _ => None,
         }
     }
@@ -323,7 +329,13 @@ pub fn serve(
     if let Function::Loaded(_) = function {
         node::enter(py, &call.key, &call.digest);
     }
+    let before = (call.task == Task::Trial).then(anonymous_memory_mib).flatten();
     let outcome = apply_env(py, &call.env).and_then(|()| perform(py, call, function, logs));
+    let heavy = before.is_some_and(|before| {
+        heavy_from_mib().is_some_and(|limit| {
+            anonymous_memory_mib().is_some_and(|after| after.saturating_sub(before) >= limit)
+        })
+    });
     if call.task == Task::Run {
         // Before the reply, which carries what a handler still logs.
         finish::at_end(py, finish::Ending::Exit);
@@ -337,6 +349,7 @@ pub fn serve(
         (Task::Trial, Ok(_)) if !fork::forks_safely(py) => {
             TrialVerdict::LoadedButForkUnsafe.exit_code()
         }
+        (Task::Trial, Ok(_)) if heavy => TrialVerdict::LoadedHeavy.exit_code(),
         (Task::Trial, Ok(_)) => TrialVerdict::Loaded.exit_code(),
         (Task::Trial, Err(_)) => TrialVerdict::Failed.exit_code(),
         _ => 0,
@@ -349,6 +362,35 @@ pub fn serve(
     // SAFETY: sched_yield has no preconditions.
     unsafe { libc::sched_yield() };
     exit(exit_code)
+}
+
+/// `--node-zygote-mib` plus one, where this process's zygote gives heavy
+/// nodes a zygote of their own (0: none does).
+static HEAVY_FROM_MIB: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets what a trial calls heavy: a module level that leaves `mib` MiB or
+/// more (`None`: nothing is).
+pub fn set_heavy_from_mib(mib: Option<u64>) {
+    HEAVY_FROM_MIB.store(
+        mib.map_or(0, |mib| mib.saturating_add(1)),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+fn heavy_from_mib() -> Option<u64> {
+    match HEAVY_FROM_MIB.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        mib => Some(mib - 1),
+    }
+}
+
+/// `RssAnon` of this process, MiB: what a node's module level allocated
+/// and touched shows here.
+fn anonymous_memory_mib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("RssAnon:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
 }
 
 pub(super) fn exit(code: i32) -> ! {

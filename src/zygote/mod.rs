@@ -34,6 +34,7 @@ pub mod signals;
 mod standby;
 
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 
 use nix::unistd::Pid;
@@ -61,6 +62,9 @@ pub struct ZygoteOptions {
     pub isolation: resident::Isolation,
     /// Calls a resident child serves before a fresh fork replaces it.
     pub max_calls_per_child: Option<u64>,
+    /// A node whose module level leaves this many MiB or more gets a zygote
+    /// of its own (`app`), rather than growing this one (`worker` only).
+    pub node_zygote_mib: Option<u64>,
 }
 
 /// Why a zygote did not start. Each is printed as is, and exits 2.
@@ -160,6 +164,16 @@ enum Residence {
     /// Its loading starts a thread that does not stop at fork (or it failed
     /// to load in the zygote after a clean trial): each call's child loads it.
     EachChild,
+    /// Its module level is heavy (`--node-zygote-mib`): a zygote of its own
+    /// has it loaded and forks its calls, which are relayed there; this
+    /// zygote, and every other node's fork, stays small.
+    OwnZygote(OwnZygote),
+}
+
+/// A node's own zygote, from the worker's side: calls go down its link.
+struct OwnZygote {
+    node_zygote: app::NodeZygote,
+    next_ticket: u64,
 }
 
 struct Compiled {
@@ -180,6 +194,8 @@ pub struct Zygote {
     standby: usize,
     isolation: resident::Isolation,
     max_calls_per_child: Option<u64>,
+    /// `--node-zygote-mib`, where heavy nodes get a zygote of their own.
+    node_zygote_mib: Option<u64>,
     /// `--isolation node`: each node's child, between its calls.
     residents: HashMap<NodeKey, resident::Resident>,
     /// What the last fork of a standby took, in the zygote.
@@ -233,6 +249,7 @@ impl Zygote {
         signals::remember_preloads(installed);
         finish::settle_zygote(py);
         settle_baseline(py, &options.preload)?;
+        child::set_heavy_from_mib(options.node_zygote_mib);
         let gc = py.import("gc")?;
         gc.call_method0("disable")?;
         gc.call_method0("freeze")?;
@@ -244,6 +261,7 @@ impl Zygote {
             standby: options.standby,
             isolation: options.isolation,
             max_calls_per_child: options.max_calls_per_child,
+            node_zygote_mib: options.node_zygote_mib,
             residents: HashMap::new(),
             fork_cost: std::time::Duration::from_millis(1),
             needs_recovery: false,
@@ -322,6 +340,9 @@ impl Zygote {
             out.reply(&protocol::compiled_reply(&request.id, &request.call_id));
             return Ok(None);
         }
+        if current && self.has_own_zygote(&key) {
+            return self.relay(&key, request, out).map(|()| None);
+        }
         if !current {
             // Load it, as the reference loads an uncached node on compile and
             // on run alike. A run keeps the trial's logs as the start of its own.
@@ -349,8 +370,14 @@ impl Zygote {
                 }
                 _ => None,
             };
+            let own_zygote = self.node_zygote_mib.is_some()
+                && self.isolation == resident::Isolation::Call;
             let loaded = match verdict {
-                Some(TrialVerdict::Loaded) => {
+                Some(TrialVerdict::LoadedHeavy) if own_zygote => {
+                    self.give_own_zygote(py, &key, &request.source, &digest);
+                    true
+                }
+                Some(TrialVerdict::Loaded | TrialVerdict::LoadedHeavy) => {
                     self.load_into_zygote(py, &key, &request.source, &digest);
                     true
                 }
@@ -387,6 +414,10 @@ impl Zygote {
             if self.needs_recovery {
                 self.children.recycle(landed.logs);
                 return Err(Stop::Recover);
+            }
+            if self.has_own_zygote(&key) {
+                self.children.recycle(landed.logs);
+                return self.relay(&key, request, out).map(|()| None);
             }
             trial_logs = Some(landed.logs);
         }
@@ -561,7 +592,7 @@ impl Zygote {
         };
         match &self.nodes.get(&key)?.residence {
             Residence::Zygote(function) => Some(function.bind(py).clone()),
-            Residence::EachChild => None,
+            Residence::EachChild | Residence::OwnZygote(_) => None,
         }
     }
 
@@ -571,7 +602,7 @@ impl Zygote {
             .values()
             .filter_map(|compiled| match &compiled.residence {
                 Residence::Zygote(function) => Some(function),
-                Residence::EachChild => None,
+                Residence::EachChild | Residence::OwnZygote(_) => None,
             })
     }
 
@@ -583,7 +614,9 @@ impl Zygote {
         match self.nodes.get(&assignment.key) {
             Some(compiled) if compiled.digest == assignment.digest => match &compiled.residence {
                 Residence::Zygote(function) => Function::Loaded(function),
-                Residence::EachChild => Function::LoadHere { quiet: true },
+                Residence::EachChild | Residence::OwnZygote(_) => {
+                    Function::LoadHere { quiet: true }
+                }
             },
             _ => Function::LoadHere { quiet: false },
         }
@@ -621,6 +654,13 @@ impl Zygote {
 
     fn remember(&mut self, key: &NodeKey, source: &str, digest: &str, residence: Residence) {
         Python::attach(|py| node::publish(py, key, source, digest));
+        if let Some(Compiled {
+            residence: Residence::OwnZygote(own),
+            ..
+        }) = self.nodes.remove(key)
+        {
+            own.node_zygote.end();
+        }
         self.nodes.insert(
             key.clone(),
             Compiled {
@@ -669,6 +709,18 @@ impl Zygote {
     fn forget_inherited_children(&mut self) {
         std::mem::forget(std::mem::take(&mut self.children));
         std::mem::forget(std::mem::take(&mut self.residents));
+        // Its parent's node zygotes are its parent's; it makes none itself.
+        let own: Vec<NodeKey> = self
+            .nodes
+            .iter()
+            .filter(|(_, compiled)| matches!(compiled.residence, Residence::OwnZygote(_)))
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in own {
+            std::mem::forget(self.nodes.remove(&key));
+        }
+        self.node_zygote_mib = None;
+        child::set_heavy_from_mib(None);
         self.pid = nix::unistd::getpid();
         self.generation += 1;
     }
@@ -684,12 +736,125 @@ impl Zygote {
     pub fn shutdown(&mut self) {
         self.retire_all();
         self.children.shutdown();
+        let own: Vec<NodeKey> = self
+            .nodes
+            .iter()
+            .filter(|(_, compiled)| matches!(compiled.residence, Residence::OwnZygote(_)))
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in own {
+            self.end_own_zygote(&key);
+        }
         node::remove_module_dir();
     }
 
     /// Blocks until `input` is readable, reaping finished children meanwhile.
     pub fn wait_for_input(&mut self, input: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
         self.children.wait_for_input(input)
+    }
+}
+
+impl Zygote {
+    fn has_own_zygote(&self, key: &NodeKey) -> bool {
+        self.nodes
+            .get(key)
+            .is_some_and(|compiled| matches!(compiled.residence, Residence::OwnZygote(_)))
+    }
+
+    /// Forks a zygote of its own for a heavy node whose trial went cleanly,
+    /// loads the node there, and remembers it; where that fails, the node
+    /// is loaded here after all.
+    fn give_own_zygote(&mut self, py: Python<'_>, key: &NodeKey, source: &str, digest: &str) {
+        let preload = app::Preload { source, digest };
+        let started = app::spawn(py, self, key, server::Contract::Worker, Some(preload))
+            .map_err(|error| error.to_string())
+            .and_then(|node_zygote| {
+                let mut receiver = crate::link::Receiver::default();
+                match app::wait_ready(&node_zygote, &mut receiver) {
+                    Ok(()) => Ok(node_zygote),
+                    Err(why) => {
+                        node_zygote.end();
+                        Err(why)
+                    }
+                }
+            });
+        match started {
+            Ok(node_zygote) => {
+                tracing::info!(
+                    node = %key,
+                    pid = node_zygote.pid.as_raw(),
+                    "the node's module level is heavy: it has a zygote of its own"
+                );
+                let own = OwnZygote {
+                    node_zygote,
+                    next_ticket: 0,
+                };
+                self.remember(key, source, digest, Residence::OwnZygote(own));
+            }
+            Err(why) => {
+                tracing::warn!("node {key}: no zygote of its own ({why}); it is loaded here");
+                self.load_into_zygote(py, key, source, digest);
+            }
+        }
+    }
+
+    /// Serves a request of a node in a zygote of its own: the request down
+    /// its link, its lines back to `out`. If that zygote has died, the node
+    /// is forgotten (its next request loads it again) and the call's reply
+    /// says so.
+    fn relay(&mut self, key: &NodeKey, request: &Request, out: &mut dyn CallOutput) -> Result<(), Stop> {
+        let Some(Compiled {
+            residence: Residence::OwnZygote(own),
+            ..
+        }) = self.nodes.get_mut(key)
+        else {
+            return Ok(());
+        };
+        own.next_ticket += 1;
+        let ticket = own.next_ticket;
+        let call = crate::link::Frame::Call {
+            ticket,
+            request: request.to_worker_line(),
+        };
+        let followed = match app::send(&own.node_zygote, &call) {
+            Ok(()) => crate::link::follow::follow(
+                own.node_zygote.link.as_fd(),
+                ticket,
+                &request.id,
+                &request.call_id,
+                out,
+            ),
+            Err(_) => crate::link::follow::Followed::LinkLost { replied: false },
+        };
+        if let crate::link::follow::Followed::LinkLost { replied } = followed {
+            let pid = own.node_zygote.pid;
+            self.end_own_zygote(key);
+            if !replied {
+                let message = format!(
+                    "the zygote of node {key} (pid {pid}) ended during the call; the node's \
+                     next call loads it again"
+                );
+                out.reply(&protocol::failure_reply(
+                    &request.id,
+                    &request.call_id,
+                    "RemoteError",
+                    &message,
+                    "",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets a node in a zygote of its own, and ends that zygote.
+    fn end_own_zygote(&mut self, key: &NodeKey) {
+        if let Some(Compiled {
+            residence: Residence::OwnZygote(own),
+            ..
+        }) = self.nodes.remove(key)
+        {
+            own.node_zygote.end();
+        }
     }
 }
 

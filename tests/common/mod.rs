@@ -215,6 +215,14 @@ pub fn compile(id: i64, node: &str, source: &str) -> Value {
     serde_json::json!({"id": id, "op": "compile", "flow": "t", "node": node, "source": source})
 }
 
+/// A node whose module level waits for `gate` to exist (a minute at most):
+/// ten seconds of reading a checkpoint, as long as a test needs.
+pub fn gated_source(gate: &std::path::Path, result: &str) -> String {
+    format!(
+        "import os, time\nfor _ in range(6000):\n    if os.path.exists({gate:?}):\n        break\n    time.sleep(0.01)\ndef process():\n    return {result:?}\n"
+    )
+}
+
 /// A fresh, empty directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("fz-{name}-{}", std::process::id()));

@@ -9,6 +9,8 @@
 //! the tickets, one per request. File descriptors travel with the frame that
 //! names them, in the same `sendmsg`, and are taken in order on receipt.
 
+pub mod follow;
+
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
