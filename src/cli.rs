@@ -518,6 +518,12 @@ struct SweepArgs {
     #[arg(long, short = 'j', value_name = "N", value_parser = parse_jobs, help_heading = "Running")]
     jobs: Option<usize>,
 
+    /// Zygotes forking the calls, each a fork of the one that loaded the node, each with
+    /// its share of -j: one zygote forks one call at a time, so many cores need several
+    /// [default: one per CPU, at most -j]
+    #[arg(long, value_name = "N", value_parser = parse_jobs, help_heading = "Running")]
+    lanes: Option<usize>,
+
     /// Write the result lines to FILE instead of stdout
     #[arg(long, short = 'o', value_name = "FILE", help_heading = "Output")]
     output: Option<PathBuf>,
@@ -638,6 +644,7 @@ pub fn main() -> ExitCode {
             kwargs: args.kwargs,
             pairs: args.pairs,
             jobs: args.jobs,
+            lanes: args.lanes,
             output: args.output,
         }),
         Command::Run(args) => sweep::run::run(&RunOptions {

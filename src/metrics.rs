@@ -123,6 +123,8 @@ const PAGE: usize = 4096;
 const _: () = assert!(std::mem::size_of::<Stats>() <= PAGE);
 
 static STATS: OnceLock<&'static Stats> = OnceLock::new();
+/// The page's fd in a zygote (-1: none), for the node zygotes it forks.
+static PAGE_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 /// The process that mapped the page: a forked child has no mapping there
 /// (`MADV_DONTFORK`), so it must never write.
 static OWNER: AtomicU64 = AtomicU64::new(0);
@@ -130,7 +132,17 @@ static OWNER: AtomicU64 = AtomicU64::new(0);
 /// The page, in the process that mapped it.
 fn stats() -> Option<&'static Stats> {
     let stats = STATS.get()?;
-    (OWNER.load(Ordering::Relaxed) == u64::from(std::process::id())).then_some(*stats)
+    if OWNER.load(Ordering::Relaxed) != u64::from(std::process::id()) {
+        return None;
+    }
+    let remapped = REMAPPED.load(Ordering::Relaxed);
+    if remapped.is_null() {
+        Some(*stats)
+    } else {
+        // SAFETY: set once by `adopt_in_node_zygote` to a mapping that is
+        // never unmapped.
+        Some(unsafe { &*remapped })
+    }
 }
 
 /// A call ended (no-op without `--metrics`).
@@ -255,6 +267,7 @@ pub fn serve_for_zygote(addr: &str) -> Result<(), String> {
                 .zygote_pid
                 .store(std::process::id().into(), Ordering::Relaxed);
             install(stats);
+            PAGE_FD.store(fd.as_raw_fd(), Ordering::Relaxed);
             return Ok(());
         }
     }
@@ -277,6 +290,7 @@ pub fn serve_for_zygote(addr: &str) -> Result<(), String> {
     // SAFETY: one thread so far (the zygote has not booted).
     unsafe { std::env::set_var(FD_ENV, fd.to_string()) };
     install(stats);
+    PAGE_FD.store(fd, Ordering::Relaxed);
     tracing::info!("metrics on http://{shown}/metrics");
     Ok(())
 }
@@ -366,10 +380,33 @@ pub fn attach_zygote(fd: RawFd) {
                 .zygote_pid
                 .store(std::process::id().into(), Ordering::Relaxed);
             install(stats);
+            PAGE_FD.store(fd.as_raw_fd(), Ordering::Relaxed);
         }
         Err(error) => tracing::warn!("no metrics from this zygote: {error}"),
     }
 }
+
+/// In a node's own zygote (`zygote::app`), just forked, before its
+/// parent's fds are closed: maps the page again (a fork does not get it),
+/// so its forks and calls are counted with its parent's.
+pub fn adopt_in_node_zygote() {
+    let fd = PAGE_FD.load(Ordering::Relaxed);
+    if fd < 0 || STATS.get().is_none() {
+        return;
+    }
+    // SAFETY: the parent's page fd, still open in this fresh fork.
+    let page = unsafe { BorrowedFd::borrow_raw(fd) };
+    if let Ok(stats) = map(page, true) {
+        // A new mapping, at another address than the parent's (which this
+        // fork does not have): the one this process writes through.
+        REMAPPED.store(stats as *const Stats as *mut Stats, Ordering::Relaxed);
+        OWNER.store(std::process::id().into(), Ordering::Relaxed);
+    }
+}
+
+/// A node zygote's own mapping of the page (null elsewhere).
+static REMAPPED: std::sync::atomic::AtomicPtr<Stats> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
 
 /// The agent's endpoint, on its runtime.
 pub async fn serve_agent(listener: std::net::TcpListener) {

@@ -218,20 +218,23 @@ impl<'de> DeserializeSeed<'de> for ErrorSeed<'_> {
 /// outcome as it passes it on.
 pub struct Observed<'a> {
     inner: &'a mut dyn crate::zygote::flight::CallOutput,
-    reply: Option<Option<String>>,
+    /// Ended as the reply passes, before it is written: whoever reads the
+    /// reply finds the call counted.
+    log: Option<CallLog>,
 }
 
 impl<'a> Observed<'a> {
-    pub fn new(inner: &'a mut dyn crate::zygote::flight::CallOutput) -> Observed<'a> {
-        Observed { inner, reply: None }
+    pub fn new(inner: &'a mut dyn crate::zygote::flight::CallOutput, log: CallLog) -> Observed<'a> {
+        Observed {
+            inner,
+            log: Some(log),
+        }
     }
 
-    /// `None` for a success; the error type otherwise (`RemoteError` when
-    /// no reply passed).
-    pub fn error_type(&self) -> Option<&str> {
-        match &self.reply {
-            Some(kind) => kind.as_deref(),
-            None => Some(crate::protocol::ENDED_WITHOUT_REPLY),
+    /// The call is over: if no reply passed, it ended without one.
+    pub fn finish(mut self) {
+        if let Some(log) = self.log.take() {
+            log.end_with(Some(crate::protocol::ENDED_WITHOUT_REPLY));
         }
     }
 }
@@ -242,7 +245,9 @@ impl crate::zygote::flight::CallOutput for Observed<'_> {
     }
 
     fn reply(&mut self, line: &[u8]) {
-        self.reply = Some(error_type(line));
+        if let Some(log) = self.log.take() {
+            log.end_with(error_type(line).as_deref());
+        }
         self.inner.reply(line);
     }
 

@@ -109,10 +109,18 @@ fn stdin_closing_ends_the_worker_and_every_child() {
     let mut worker = Worker::zygote(&[]);
     worker.call(&run(1, "x", "def process():\n    return 1\n", json!({})));
     let zygote = worker.pid();
-    let children: Vec<i32> = children_of(zygote)
-        .into_iter()
-        .map(|(pid, _)| pid)
-        .collect();
+    // The next standby is forked once the reply is out.
+    let start = std::time::Instant::now();
+    let children: Vec<i32> = loop {
+        let children: Vec<i32> = children_of(zygote)
+            .into_iter()
+            .map(|(pid, _)| pid)
+            .collect();
+        if !children.is_empty() || start.elapsed() > Duration::from_secs(5) {
+            break children;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     assert!(
         !children.is_empty(),
         "a standby child waits for the next call"

@@ -72,6 +72,21 @@ pub struct Done {
     pub duration: Duration,
 }
 
+impl Done {
+    /// A call that ended in another process (a lane, `super::lanes`).
+    pub fn from_parts(index: usize, duration: Duration, events: Vec<Vec<u8>>, reply: Vec<u8>) -> Done {
+        Done {
+            index,
+            answer: Answer {
+                events,
+                reply,
+                replied_at: None,
+            },
+            duration,
+        }
+    }
+}
+
 struct Running {
     index: usize,
     flight: Flight,
@@ -144,7 +159,15 @@ impl<'a> Calls<'a> {
     /// Waits (a little while at most) for lines or exits; returns the calls
     /// that ended.
     pub fn step(&mut self) -> Result<Vec<Done>, String> {
-        let (readable, exited) = self.wait()?;
+        self.step_with(None).map(|(done, _)| done)
+    }
+
+    /// [`Calls::step`], woken also by `also` being readable (and saying so).
+    pub fn step_with(
+        &mut self,
+        also: Option<std::os::fd::BorrowedFd<'_>>,
+    ) -> Result<(Vec<Done>, bool), String> {
+        let (readable, exited, also_ready) = self.wait(also)?;
         for &i in &readable {
             let call = &mut self.running[i];
             call.flight.read(&mut call.answer);
@@ -156,7 +179,7 @@ impl<'a> Calls<'a> {
             done.push(self.land(call)?);
         }
         done.reverse();
-        Ok(done)
+        Ok((done, also_ready))
     }
 
     fn land(&mut self, call: Running) -> Result<Done, String> {
@@ -209,9 +232,16 @@ impl<'a> Calls<'a> {
     }
 
     /// The indices (into `running`) of calls with something to read, and of
-    /// calls that exited, each ascending.
-    fn wait(&self) -> Result<(Vec<usize>, Vec<usize>), String> {
+    /// calls that exited, each ascending; and whether `also` is readable.
+    fn wait(
+        &self,
+        also: Option<std::os::fd::BorrowedFd<'_>>,
+    ) -> Result<(Vec<usize>, Vec<usize>, bool), String> {
         let mut fds: Vec<PollFd<'_>> = Vec::new();
+        if let Some(also) = also {
+            fds.push(PollFd::new(also, nix::poll::PollFlags::POLLIN));
+        }
+        let first_call = fds.len();
         // (call, whether the fd is its exit watch) for each polled fd.
         let mut owners = Vec::new();
         for (i, call) in self.running.iter().enumerate() {
@@ -234,9 +264,10 @@ impl<'a> Calls<'a> {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(format!("poll failed: {e}")),
         }
+        let also_ready = also.is_some() && fds[0].revents().is_some_and(|r| !r.is_empty());
         let mut readable = Vec::new();
         let mut exited = Vec::new();
-        for (fd, &(i, is_exit)) in fds.iter().zip(&owners) {
+        for (fd, &(i, is_exit)) in fds[first_call..].iter().zip(&owners) {
             if fd.revents().is_some_and(|r| !r.is_empty()) {
                 if is_exit {
                     exited.push(i)
@@ -250,6 +281,6 @@ impl<'a> Calls<'a> {
         }));
         exited.sort_unstable();
         exited.dedup();
-        Ok((readable, exited))
+        Ok((readable, exited, also_ready))
     }
 }

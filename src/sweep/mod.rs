@@ -19,6 +19,7 @@
 pub mod calls;
 pub mod grid;
 pub mod kwargs;
+mod lanes;
 mod report;
 pub mod run;
 mod signals;
@@ -54,6 +55,8 @@ pub struct SweepOptions {
     pub pairs: Vec<String>,
     /// Calls in flight at once; `None` is one per CPU.
     pub jobs: Option<usize>,
+    /// Zygotes forking them (`lanes`); `None` is one per CPU, at most `jobs`.
+    pub lanes: Option<usize>,
     /// Where the result lines go instead of stdout.
     pub output: Option<PathBuf>,
 }
@@ -114,7 +117,7 @@ pub fn run(options: &SweepOptions) -> ExitCode {
                 .jobs
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
                 .max(1);
-            let code = sweep(py, zygote, &prepared, jobs, out, progress);
+            let code = sweep(py, zygote, &prepared, (jobs, options.lanes), out, progress);
             zygote.shutdown();
             code
         },
@@ -317,7 +320,7 @@ fn sweep(
     py: Python<'_>,
     zygote: &mut Zygote,
     prepared: &Prepared,
-    jobs: usize,
+    (jobs, lanes): (usize, Option<usize>),
     mut out: Output,
     progress: bool,
 ) -> ExitCode {
@@ -325,22 +328,32 @@ fn sweep(
     let total = prepared.calls.len();
     let bar = progress.then(|| report::progress_bar(total));
     let mut summary = Summary::new(total, jobs);
-    let mut calls = Calls::new(zygote, &prepared.node);
+    let (lane_count, per_lane) = lanes::shape(jobs.min(total.max(1)), lanes);
+    let mut calls = if lane_count > 1 {
+        match lanes::Lanes::start(
+            py,
+            zygote,
+            &prepared.node,
+            &prepared.calls,
+            lane_count,
+            per_lane,
+        ) {
+            Ok(lanes) => Runner::Lanes(lanes),
+            Err(message) => {
+                tracing::warn!("{message}; every call is forked from one zygote");
+                Runner::Here(Calls::new(zygote, &prepared.node))
+            }
+        }
+    } else {
+        Runner::Here(Calls::new(zygote, &prepared.node))
+    };
     let mut next = 0;
     let stop = loop {
         if let Some(signal) = signals::received() {
             break Some(Stop::Signal(signal));
         }
-        let mut forked = Ok(());
-        while calls.in_flight() < jobs && next < total && forked.is_ok() {
-            forked = calls.start(py, next, &prepared.calls.get(next));
-            next += 1;
-        }
-        if let Err(message) = forked {
+        if let Err(message) = calls.fill(py, &mut next, total, jobs, &prepared.calls) {
             break Some(Stop::Failed(message));
-        }
-        if next < total {
-            calls.replenish(py);
         }
         if calls.in_flight() == 0 {
             break None;
@@ -376,7 +389,7 @@ fn sweep(
             bar.set_message(format!("{} failed", summary.failed));
         }
     };
-    let ended = calls.kill_all().len();
+    let ended = calls.stop();
     drop(calls);
     if let Some(bar) = &bar {
         bar.finish_and_clear();
@@ -413,6 +426,60 @@ fn sweep(
             } else {
                 ExitCode::SUCCESS
             }
+        }
+    }
+}
+
+/// Who forks a sweep's calls: its own zygote, or its lanes (`lanes`).
+enum Runner<'a> {
+    Here(Calls<'a>),
+    Lanes(lanes::Lanes),
+}
+
+impl Runner<'_> {
+    fn in_flight(&self) -> usize {
+        match self {
+            Runner::Here(calls) => calls.in_flight(),
+            Runner::Lanes(lanes) => lanes.in_flight(),
+        }
+    }
+
+    /// Starts calls from `next` on, up to `jobs` in flight.
+    fn fill(
+        &mut self,
+        py: Python<'_>,
+        next: &mut usize,
+        total: usize,
+        jobs: usize,
+        source: &Source,
+    ) -> Result<(), String> {
+        match self {
+            Runner::Here(calls) => {
+                while calls.in_flight() < jobs && *next < total {
+                    calls.start(py, *next, &source.get(*next))?;
+                    *next += 1;
+                }
+                if *next < total {
+                    calls.replenish(py);
+                }
+                Ok(())
+            }
+            Runner::Lanes(lanes) => lanes.fill(next, total),
+        }
+    }
+
+    fn step(&mut self) -> Result<Vec<calls::Done>, String> {
+        match self {
+            Runner::Here(calls) => calls.step(),
+            Runner::Lanes(lanes) => lanes.step(),
+        }
+    }
+
+    /// Ends every call in flight; how many there were.
+    fn stop(&mut self) -> usize {
+        match self {
+            Runner::Here(calls) => calls.kill_all().len(),
+            Runner::Lanes(lanes) => lanes.stop(),
         }
     }
 }

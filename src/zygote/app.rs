@@ -60,6 +60,24 @@ pub fn spawn(
     contract: Contract,
     preload: Option<Preload<'_>>,
 ) -> std::io::Result<NodeZygote> {
+    fork_own(py, zygote, key, |py, zygote, link| {
+        if let Some(preload) = preload {
+            zygote.load_into_zygote(py, key, preload.source, preload.digest);
+        }
+        super::server::serve_link(py, zygote, link, contract)
+    })
+}
+
+/// Forks a zygote of its own, connected by a socket pair: in the child,
+/// once it has shed what was its parent's, `serve` runs with its end
+/// (claimed: no call it forks holds it), and its result is the exit code.
+/// Returns in the parent only.
+pub fn fork_own(
+    py: Python<'_>,
+    zygote: &mut Zygote,
+    key: &NodeKey,
+    serve: impl FnOnce(Python<'_>, &mut Zygote, Claimed) -> i32,
+) -> std::io::Result<NodeZygote> {
     let (ours, theirs) = UnixStream::pair()?;
     let ours = Claimed::new(OwnedFd::from(ours));
     let theirs = Claimed::new(OwnedFd::from(theirs));
@@ -70,10 +88,7 @@ pub fn spawn(
             // The parent's end, closed with every claimed fd: never dropped.
             std::mem::forget(ours);
             let link = become_node_zygote(zygote, parent, theirs);
-            if let Some(preload) = preload {
-                zygote.load_into_zygote(py, key, preload.source, preload.digest);
-            }
-            let code = super::server::serve_link(py, zygote, link, contract);
+            let code = serve(py, zygote, Claimed::new(link));
             zygote.shutdown();
             super::child::exit(code)
         }
@@ -105,6 +120,7 @@ fn become_node_zygote(zygote: &mut Zygote, parent: Pid, link: Claimed) -> OwnedF
     // Everything the parent claimed is closed here, this link's end with
     // it: taken out first, and claimed again as this process's own.
     let link = link.release();
+    crate::metrics::adopt_in_node_zygote();
     plumbing::close_in_child();
     plumbing::closed_all();
     // SAFETY: prctl and getppid act on this process alone.

@@ -277,9 +277,9 @@ impl Zygote {
         out: &mut dyn CallOutput,
     ) -> Result<(), MustRecover> {
         let log = crate::telemetry::CallLog::for_request(request);
-        let mut observed = crate::telemetry::Observed::new(out);
+        let mut observed = crate::telemetry::Observed::new(out, log);
         let served = self.serve_maybe_detached(py, request, &mut observed, false);
-        log.end_with(observed.error_type());
+        observed.finish();
         served.map(|_| ())
     }
 

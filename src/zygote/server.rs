@@ -128,11 +128,11 @@ fn serve_links(
 pub(super) fn serve_link(
     py: Python<'_>,
     zygote: &mut Zygote,
-    link: OwnedFd,
+    link: Claimed,
     contract: Contract,
 ) -> i32 {
     let mut server = Server::new(None, contract, Placement::Here);
-    if !server.open(Claimed::new(link)) {
+    if !server.open(link) {
         return 0;
     }
     server.serve(py, zygote) as i32
