@@ -760,3 +760,76 @@ fn help_shows_the_options_grouped_with_examples_and_exit_codes() {
         assert!(help.contains(word), "sweep --help mentions {word}:\n{help}");
     }
 }
+
+/// Who forked a call, and who forked that: (pid, parent, grandparent).
+const LINEAGE: &str = "import os\ndef parent_of(pid):\n    with open(f'/proc/{pid}/stat') as f:\n        return int(f.read().rsplit(')', 1)[1].split()[1])\ndef process(x):\n    return [os.getpid(), os.getppid(), parent_of(os.getppid())]\n";
+
+#[test]
+fn lanes_each_fork_their_share_of_the_calls() {
+    let dir = scratch("lanes");
+    let lineage = node(&dir, "lineage.py", LINEAGE);
+    let child = Command::new(ZYGOTE)
+        .arg("sweep")
+        .arg(&lineage)
+        .args(["--grid", "x=0..199", "-j", "4", "--lanes", "2"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let sweep_pid = child.id() as i64;
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let lines = lines(&output);
+    assert_eq!(lines.len(), 200);
+    let mut lanes: Vec<i64> = lines
+        .iter()
+        .map(|l| l["result"][1].as_i64().unwrap())
+        .collect();
+    lanes.sort_unstable();
+    lanes.dedup();
+    assert_eq!(lanes.len(), 2, "two lanes forked the calls: {lanes:?}");
+    for line in &lines {
+        assert_eq!(line["result"][2], sweep_pid, "each lane a fork of the sweep: {line}");
+    }
+    // One lane: the sweep's own zygote forks every call.
+    let one = sweep(&lineage, &["--grid", "x=0..19", "-j", "4", "--lanes", "1"]);
+    let parents: Vec<i64> = lines_of(&one)
+        .iter()
+        .map(|l| l["result"][1].as_i64().unwrap())
+        .collect();
+    assert!(parents.windows(2).all(|w| w[0] == w[1]), "{parents:?}");
+}
+
+fn lines_of(output: &Output) -> Vec<Value> {
+    assert!(output.status.success(), "{}", stderr(output));
+    lines(output)
+}
+
+#[test]
+fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
+    let dir = scratch("sweep-in-turn");
+    let counter = node(
+        &dir,
+        "counter.py",
+        "import os\nCALLS = []\ndef process(x):\n    CALLS.append(x)\n    return [os.getpid(), len(CALLS)]\n",
+    );
+    let output = sweep(&counter, &["--grid", "x=0..99", "-j", "2", "--isolation", "node"]);
+    let lines = lines_of(&output);
+    assert_eq!(lines.len(), 100);
+    let mut by_child: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
+    for line in &lines {
+        let result = &line["result"];
+        by_child
+            .entry(result[0].as_i64().unwrap())
+            .or_default()
+            .push(result[1].as_i64().unwrap());
+    }
+    assert_eq!(by_child.len(), 2, "one resident child per call in flight: {by_child:?}");
+    for counts in by_child.values_mut() {
+        counts.sort_unstable();
+        let expected: Vec<i64> = (1..=counts.len() as i64).collect();
+        assert_eq!(*counts, expected, "each child counted its own calls");
+    }
+}

@@ -328,8 +328,14 @@ fn sweep(
     let total = prepared.calls.len();
     let bar = progress.then(|| report::progress_bar(total));
     let mut summary = Summary::new(total, jobs);
-    let (lane_count, per_lane) = lanes::shape(jobs.min(total.max(1)), lanes);
-    let mut calls = if lane_count > 1 {
+    let in_turn = zygote.isolation() == zygote::resident::Isolation::Node;
+    let (lane_count, per_lane) = if in_turn {
+        // A resident child serves one call at a time: a lane per call in flight.
+        (jobs.min(total.max(1)), 1)
+    } else {
+        lanes::shape(jobs.min(total.max(1)), lanes)
+    };
+    let mut calls = if lane_count > 1 || in_turn {
         match lanes::Lanes::start(
             py,
             zygote,

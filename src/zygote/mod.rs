@@ -725,6 +725,11 @@ impl Zygote {
         self.generation += 1;
     }
 
+    /// A fresh child per call, or one per node serving its calls in turn.
+    pub fn isolation(&self) -> resident::Isolation {
+        self.isolation
+    }
+
     /// Whether forking became unsafe: the zygote must restart before it
     /// serves anything else.
     pub fn needs_recovery(&self) -> bool {
