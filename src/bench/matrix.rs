@@ -40,6 +40,7 @@ pub enum Scenario {
     Throughput,
     AfterKill,
     Pss,
+    PssWeights,
     Sweep,
     SmallBefore,
     SmallAfter,
@@ -48,7 +49,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 12] = [
+    pub const ALL: [Scenario; 13] = [
         Scenario::BackToBack,
         Scenario::Spaced,
         Scenario::PoolBackToBack,
@@ -56,6 +57,7 @@ impl Scenario {
         Scenario::Throughput,
         Scenario::AfterKill,
         Scenario::Pss,
+        Scenario::PssWeights,
         Scenario::Sweep,
         Scenario::SmallBefore,
         Scenario::SmallAfter,
@@ -77,6 +79,9 @@ impl Scenario {
             Scenario::Throughput => "(2) trivial calls, 2 in flight",
             Scenario::AfterKill => "(3) the next call after a kill",
             Scenario::Pss => "(4) total PSS, 8 calls at once each holding a numpy array",
+            Scenario::PssWeights => {
+                "(4) total PSS, 8 calls at once of a node holding a numpy array at module level (its weights)"
+            }
             Scenario::Sweep => "(5) a sweep of trivial calls, 2 in flight",
             Scenario::SmallBefore => "(6) a small node, before the big node is compiled",
             Scenario::SmallAfter => "(6) the small node, after the big node is compiled",
@@ -95,6 +100,7 @@ impl Scenario {
             Scenario::Throughput => "(2) 2 in flight: calls/s",
             Scenario::AfterKill => "(3) after a kill: p50 ms",
             Scenario::Pss => "(4) 8 calls at once: PSS MiB",
+            Scenario::PssWeights => "(4) 8 calls, module-level array: PSS MiB",
             Scenario::Sweep => "(5) sweep: calls/s",
             Scenario::SmallBefore => "(6) small node before: p50 ms",
             Scenario::SmallAfter => "(6) small node after big: p50 ms",
@@ -545,24 +551,34 @@ impl Context<'_> {
             );
         }
         let node = self.scratch.file("trivial.py", &source);
+        let lanes = super::lanes_for(IN_FLIGHT);
         for variant in [Variant::Call, Variant::Standby(self.options.standby)] {
-            let rate = node
-                .clone()
-                .and_then(|node| self.ours.sweep_rate(variant, &node, calls, IN_FLIGHT))
-                .map(Metric::Rate);
-            self.push(
-                scenario,
-                Server::Ours(variant),
-                rate,
-                "`sweep -j 2`: one zygote, 2 calls in flight",
-            );
+            let rate = node.clone().and_then(|node| {
+                self.ours
+                    .sweep_rate(variant, &node, (calls, IN_FLIGHT), &[])
+            });
+            // The same sweep from the one zygote that loaded the node.
+            let one_lane = node.clone().and_then(|node| {
+                self.ours
+                    .sweep_rate(variant, &node, (calls, IN_FLIGHT), &["--lanes", "1"])
+            });
+            let note = match one_lane {
+                Ok(one) => format!(
+                    "`sweep -j 2`: {lanes} lanes (a zygote each forking its calls); `--lanes 1`: {one:.0} calls/s"
+                ),
+                Err(_) => format!("`sweep -j 2`: {lanes} lanes (a zygote each forking its calls)"),
+            };
+            self.push(scenario, Server::Ours(variant), rate.map(Metric::Rate), note);
         }
-        let rate = self.pool_rate(Server::Ours(Variant::Node), &source, calls);
+        let rate = node.and_then(|node| {
+            self.ours
+                .sweep_rate(Variant::Node, &node, (calls, IN_FLIGHT), &[])
+        });
         self.push(
             scenario,
             Server::Ours(Variant::Node),
-            rate,
-            "2 `worker --isolation node` processes, one client thread each, as a pool of 2 drives them (sweep does not serve --isolation node yet)",
+            rate.map(Metric::Rate),
+            "`sweep -j 2 --isolation node`: 2 lanes, each a resident child serving its calls in turn",
         );
         let (server, run) = self.floor(calls, IN_FLIGHT);
         let note = run.as_ref().map(|r| r.profile.clone()).unwrap_or_default();
@@ -745,28 +761,47 @@ impl Context<'_> {
         latency(Ok(samples))
     }
 
-    /// (4): 8 calls at once, each holding an array; total PSS of what serves
-    /// them, measured once all 8 hold theirs.
+    /// (4): 8 calls at once, each holding an array of its own; then 8 calls
+    /// of a node whose module level holds the array (a model's weights,
+    /// read once). Total PSS of what serves them, measured once all 8 are
+    /// in their call.
     fn pss(&mut self) {
         let mb = self.options.counts.array_mb;
-        let source = format!(
-            "{}import os, time, numpy\ndef process(x, dir, mb):\n    a = numpy.ones(mb * 1048576 // 8)\n    open(os.path.join(dir, 'ready-%d' % x), 'w').close()\n    go = os.path.join(dir, 'go')\n    for _ in range(120000):\n        if os.path.exists(go):\n            break\n        time.sleep(0.005)\n    return float(a[-1])\n",
+        let wait = "    open(os.path.join(dir, 'ready-%d' % x), 'w').close()\n    go = os.path.join(dir, 'go')\n    for _ in range(120000):\n        if os.path.exists(go):\n            break\n        time.sleep(0.005)\n    return float(a[-1])\n";
+        let own = format!(
+            "{}import os, time, numpy\ndef process(x, dir, mb):\n    a = numpy.ones(mb * 1048576 // 8)\n{wait}",
             self.imports
         );
+        self.pss_of(Scenario::Pss, &own);
+        let weights = format!(
+            "{}import os, time, numpy\nWEIGHTS = numpy.ones({mb} * 1048576 // 8)\ndef process(x, dir, mb):\n    a = WEIGHTS\n{wait}",
+            self.imports
+        );
+        self.pss_of(Scenario::PssWeights, &weights);
+    }
+
+    fn pss_of(&mut self, scenario: Scenario, source: &str) {
+        let mb = self.options.counts.array_mb;
+        let source = source.to_string();
+        let holding = if scenario == Scenario::PssWeights {
+            format!("the node holding {mb} MB at module level")
+        } else {
+            format!("each call holding {mb} MB of its own")
+        };
         let note = |what: &str, processes: Option<usize>| match processes {
-            Some(n) => format!("{what}; {n} processes, each call holding {mb} MB"),
+            Some(n) => format!("{what}; {n} processes, {holding}"),
             None => what.to_string(),
         };
         let pool = self.pss_of_workers(Server::Pool, &source, mb);
         let processes = pool.as_ref().ok().and_then(pss_processes);
         self.push(
-            Scenario::Pss,
+            scenario,
             Server::Pool,
             pool,
             note("8 reused workers, a call each", processes),
         );
         self.push(
-            Scenario::Pss,
+            scenario,
             Server::Spawn,
             Err("eight fresh worker_main.py hold what the pool's eight do (the row above)".into()),
             "",
@@ -775,11 +810,11 @@ impl Context<'_> {
             let outcome = self.pss_of_sweep(variant, &source, mb);
             let processes = outcome.as_ref().ok().and_then(pss_processes);
             self.push(
-                Scenario::Pss,
+                scenario,
                 Server::Ours(variant),
                 outcome,
                 note(
-                    "`sweep -j 8`: one zygote and the 8 calls' children it forked",
+                    "`sweep -j 8`: the zygote, its lanes and the 8 calls' children",
                     processes,
                 ),
             );
@@ -787,7 +822,7 @@ impl Context<'_> {
         let node = self.pss_of_workers(Server::Ours(Variant::Node), &source, mb);
         let processes = node.as_ref().ok().and_then(pss_processes);
         self.push(
-            Scenario::Pss,
+            scenario,
             Server::Ours(Variant::Node),
             node,
             note(
@@ -798,7 +833,7 @@ impl Context<'_> {
         let shared = self.pss_of_workers(Server::SharedZygote, &source, mb);
         let processes = shared.as_ref().ok().and_then(pss_processes);
         self.push(
-            Scenario::Pss,
+            scenario,
             Server::SharedZygote,
             shared,
             note(
@@ -865,7 +900,7 @@ impl Context<'_> {
         let kwargs = serde_json::json!({"dir": dir, "mb": mb}).to_string();
         let mut child = self
             .ours
-            .start_sweep(variant, &node, HOLDERS, HOLDERS, Some(&kwargs))?;
+            .start_sweep(variant, &node, (HOLDERS, HOLDERS), Some(&kwargs), &[])?;
         if let Err(why) = wait_ready(&dir) {
             let _ = child.kill();
             return Err(format!(

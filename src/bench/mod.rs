@@ -266,3 +266,11 @@ mod tests {
         assert_eq!(factor_text(54.9), "55");
     }
 }
+
+/// The lanes `sweep -j jobs` forks its calls from on this machine.
+pub fn lanes_for(jobs: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs)
+        .max(1)
+}

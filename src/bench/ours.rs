@@ -141,15 +141,16 @@ impl Ours {
         &self,
         variant: Variant,
         node: &Path,
-        calls: usize,
-        jobs: usize,
+        (calls, jobs): (usize, usize),
         kwargs: Option<&str>,
+        extra: &[&str],
     ) -> Result<Child, String> {
         let mut command = self.command("sweep", variant);
         command
             .arg(node)
             .args(["--grid", &format!("x=0..{}", calls.max(1) - 1)])
-            .args(["-j", &jobs.to_string()]);
+            .args(["-j", &jobs.to_string()])
+            .args(extra);
         if let Some(kwargs) = kwargs {
             command.args(["--kwargs", kwargs]);
         }
@@ -167,10 +168,10 @@ impl Ours {
         &self,
         variant: Variant,
         node: &Path,
-        calls: usize,
-        jobs: usize,
+        (calls, jobs): (usize, usize),
+        extra: &[&str],
     ) -> Result<f64, String> {
-        let child = self.start_sweep(variant, node, calls, jobs, None)?;
+        let child = self.start_sweep(variant, node, (calls, jobs), None, extra)?;
         finish_sweep(child)
     }
 }
