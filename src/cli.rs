@@ -519,8 +519,8 @@ struct SweepArgs {
     jobs: Option<usize>,
 
     /// Zygotes forking the calls, each a fork of the one that loaded the node, each with
-    /// its share of -j: one zygote forks one call at a time, so many cores need several
-    /// [default: one per CPU, at most -j]
+    /// its share of -j: one zygote feeds the calls of about three cores, so many cores
+    /// need several [default: one per 3 CPUs, at most -j]
     #[arg(long, value_name = "N", value_parser = parse_jobs, help_heading = "Running")]
     lanes: Option<usize>,
 

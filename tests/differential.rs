@@ -417,9 +417,9 @@ fn every_case_matches_the_reference_through_slots_of_a_shared_zygote() {
             ("FLUKSIO_TEST_SCOPE", "differential"),
             ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "2"),
         ],
-        // By design a shared zygote holds the nodes every slot compiled:
-        // `sys.modules` lists theirs too (PROTOCOL-NOTES, "pool slots").
-        &["module naming"],
+        // Every node has a zygote of its own there: its `sys.modules` holds
+        // no other slot's node, as a worker of its own would.
+        &[],
     );
 }
 

@@ -557,16 +557,30 @@ impl Context<'_> {
                 self.ours
                     .sweep_rate(variant, &node, (calls, IN_FLIGHT), &[])
             });
-            // The same sweep from the one zygote that loaded the node.
-            let one_lane = node.clone().and_then(|node| {
-                self.ours
-                    .sweep_rate(variant, &node, (calls, IN_FLIGHT), &["--lanes", "1"])
+            // The same sweep with the other number of lanes (a zygote
+            // each forking its calls): one, or one per call in flight.
+            let other = if lanes == 1 { IN_FLIGHT } else { 1 };
+            let other_rate = node.clone().and_then(|node| {
+                self.ours.sweep_rate(
+                    variant,
+                    &node,
+                    (calls, IN_FLIGHT),
+                    &["--lanes", &other.to_string()],
+                )
             });
-            let note = match one_lane {
-                Ok(one) => format!(
-                    "`sweep -j 2`: {lanes} lanes (a zygote each forking its calls); `--lanes 1`: {one:.0} calls/s"
+            let shape = |n: usize| {
+                if n == 1 {
+                    "1 lane (the zygote that loaded the node forks every call)".to_string()
+                } else {
+                    format!("{n} lanes (a zygote each forking its calls)")
+                }
+            };
+            let note = match other_rate {
+                Ok(rate) => format!(
+                    "`sweep -j 2`: {}; with `--lanes {other}`: {rate:.0} calls/s",
+                    shape(lanes)
                 ),
-                Err(_) => format!("`sweep -j 2`: {lanes} lanes (a zygote each forking its calls)"),
+                Err(_) => format!("`sweep -j 2`: {}", shape(lanes)),
             };
             self.push(scenario, Server::Ours(variant), rate.map(Metric::Rate), note);
         }

@@ -269,8 +269,7 @@ mod tests {
 
 /// The lanes `sweep -j jobs` forks its calls from on this machine.
 pub fn lanes_for(jobs: usize) -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
+    crate::sweep::default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
         .min(jobs)
         .max(1)
 }
