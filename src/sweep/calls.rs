@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 
 use crate::protocol::{self, Op, Request};
 use crate::zygote::flight::{CallOutput, Flight};
+use crate::zygote::plumbing::Claimed;
 use crate::zygote::{SpawnError, Zygote};
 
 /// How long a wait may block: a signal that lands between checking for it
@@ -93,6 +94,15 @@ struct Running {
     answer: Answer,
     /// Its start and end log lines (`crate::telemetry`).
     log: crate::telemetry::CallLog,
+    /// `--isolation node`: the resident child's control pipe; the child
+    /// serves the next call once this one has replied.
+    control: Option<Claimed>,
+}
+
+/// A resident child between two calls.
+struct Idle {
+    flight: Flight,
+    control: Claimed,
 }
 
 /// The calls in flight.
@@ -100,14 +110,21 @@ pub struct Calls<'a> {
     zygote: &'a mut Zygote,
     node: &'a Node,
     running: Vec<Running>,
+    /// `--isolation node`: each call runs in a resident child, which serves
+    /// the calls after it in turn, its module state kept.
+    in_turn: bool,
+    idle: Vec<Idle>,
 }
 
 impl<'a> Calls<'a> {
     pub fn new(zygote: &'a mut Zygote, node: &'a Node) -> Calls<'a> {
+        let in_turn = zygote.isolation() == crate::zygote::resident::Isolation::Node;
         Calls {
             zygote,
             node,
             running: Vec::new(),
+            in_turn,
+            idle: Vec::new(),
         }
     }
 
@@ -123,8 +140,24 @@ impl<'a> Calls<'a> {
         kwargs: &Map<String, Value>,
     ) -> Result<(), String> {
         let request = self.node.request(Op::Run, &index.to_string(), Some(kwargs));
-        let flight = match self.zygote.start_run(py, &request) {
-            Ok(flight) => flight,
+        let started = if !self.in_turn {
+            self.zygote.start_run(py, &request).map(|flight| (flight, None))
+        } else if let Some(Idle {
+            mut flight,
+            control,
+        }) = self.idle.pop()
+        {
+            // A child that died since its last reply is found out by
+            // following it: its flight says how it ended.
+            let _ = self.zygote.next_in_turn(&control, &mut flight, &request);
+            Ok((flight, Some(control)))
+        } else {
+            self.zygote
+                .start_in_turn(py, &request)
+                .map(|(flight, control)| (flight, Some(control)))
+        };
+        let (flight, control) = match started {
+            Ok(started) => started,
             Err(SpawnError::Io(error)) => return Err(format!("could not fork a call: {error}")),
             Err(SpawnError::Unsafe | SpawnError::NotCompiled) => {
                 return Err("the zygote can no longer fork safely".into());
@@ -140,6 +173,7 @@ impl<'a> Calls<'a> {
             flight,
             answer: Answer::default(),
             log,
+            control,
         });
         Ok(())
     }
@@ -172,14 +206,55 @@ impl<'a> Calls<'a> {
             let call = &mut self.running[i];
             call.flight.read(&mut call.answer);
         }
-        let mut done = Vec::with_capacity(exited.len());
+        // A resident that replied serves the next call; one that exited
+        // is landed as any call.
+        let replied: Vec<usize> = (0..self.running.len())
+            .filter(|&i| {
+                let call = &self.running[i];
+                call.control.is_some() && call.answer.replied_at.is_some() && !exited.contains(&i)
+            })
+            .collect();
+        let mut ended: Vec<(usize, bool)> = exited
+            .iter()
+            .map(|&i| (i, false))
+            .chain(replied.iter().map(|&i| (i, true)))
+            .collect();
+        ended.sort_unstable();
+        let mut done = Vec::with_capacity(ended.len());
         // From the back, so the indices still to visit stay valid.
-        for &i in exited.iter().rev() {
+        for &(i, stays) in ended.iter().rev() {
             let call = self.running.swap_remove(i);
-            done.push(self.land(call)?);
+            done.push(if stays {
+                self.between(call)
+            } else {
+                self.land(call)?
+            });
         }
         done.reverse();
         Ok((done, also_ready))
+    }
+
+    /// A resident's call has replied: the call is done, the child waits
+    /// for the next one.
+    fn between(&mut self, call: Running) -> Done {
+        let Running {
+            index,
+            flight,
+            answer,
+            log,
+            control,
+        } = call;
+        log.end(Some(&answer.reply));
+        let duration = answer.replied_at.unwrap_or_else(Instant::now) - flight.started;
+        self.idle.push(Idle {
+            flight,
+            control: control.expect("a resident's call"),
+        });
+        Done {
+            index,
+            answer,
+            duration,
+        }
     }
 
     fn land(&mut self, call: Running) -> Result<Done, String> {
@@ -188,7 +263,10 @@ impl<'a> Calls<'a> {
             flight,
             mut answer,
             log,
+            control,
         } = call;
+        // A resident's pipe closed: it is retired with its flight.
+        drop(control);
         let started = flight.started;
         let too_large = flight.too_large();
         let landed = flight
@@ -220,6 +298,15 @@ impl<'a> Calls<'a> {
     pub fn kill_all(&mut self) -> Vec<usize> {
         for call in &self.running {
             crate::process::kill_group(call.flight.pid, Signal::SIGKILL);
+        }
+        // Residents between calls: their pipes closed, their cells killed.
+        for Idle { flight, control } in self.idle.drain(..) {
+            drop(control);
+            crate::process::kill_group(flight.pid, Signal::SIGKILL);
+            let mut discard = Answer::default();
+            if let Ok(landed) = flight.land(&mut discard) {
+                self.zygote.recycle(landed.logs);
+            }
         }
         let mut ended = Vec::new();
         while let Some(call) = self.running.pop() {

@@ -36,13 +36,6 @@ use crate::zygote::plumbing::Claimed;
 /// and polling is seen within this.
 const WAKE_MS: u16 = 200;
 
-/// Under `--isolation node`, the indices a lane holds beyond the call it
-/// serves, so that it does not wait for the sweep between two calls of
-/// tens of microseconds. Few: a slow call holds back what is queued behind
-/// it. Forking a call costs far more than that wait, so under `--isolation
-/// call` a lane holds none.
-const IN_TURN_AHEAD: usize = 2;
-
 /// Cores one lane keeps busy. Measured on a trivial call: its zygote spends
 /// ~1.2 ms of CPU on it (the fork, following, reaping), its child ~2.9 ms
 /// (CPython waking up after the fork, the call, the exit), so one zygote
@@ -82,8 +75,6 @@ struct Lane {
 pub struct Lanes {
     lanes: Vec<Lane>,
     per_lane: usize,
-    /// `--isolation node`: each lane serves its calls one at a time.
-    in_turn: bool,
 }
 
 impl Lanes {
@@ -115,12 +106,7 @@ impl Lanes {
                 closed: false,
             });
         }
-        let in_turn = zygote.isolation() == crate::zygote::resident::Isolation::Node;
-        Ok(Lanes {
-            lanes,
-            per_lane,
-            in_turn,
-        })
+        Ok(Lanes { lanes, per_lane })
     }
 
     pub fn in_flight(&self) -> usize {
@@ -130,13 +116,12 @@ impl Lanes {
     /// Hands out indices from `next` up to `total`, to lanes with room;
     /// once none are left, tells each lane so.
     pub fn fill(&mut self, next: &mut usize, total: usize) -> Result<(), String> {
-        let ahead = if self.in_turn { IN_TURN_AHEAD } else { 0 };
         // One at a time round the lanes, the least loaded first.
         while *next < total {
             let Some(lane) = self
                 .lanes
                 .iter_mut()
-                .filter(|lane| lane.outstanding < self.per_lane + ahead)
+                .filter(|lane| lane.outstanding < self.per_lane)
                 .min_by_key(|lane| lane.outstanding)
             else {
                 break;
@@ -199,19 +184,7 @@ impl Lanes {
     /// its calls, each with its cell, and exits), then waits for it. The
     /// number of calls that were in flight.
     pub fn stop(&mut self) -> usize {
-        // Those queued beyond its calls in flight never started.
-        let ended = self
-            .lanes
-            .iter()
-            .map(|lane| lane.outstanding.min(self.per_lane))
-            .sum();
-        if self.in_turn {
-            // A lane serving in turn is inside its call: ended with it.
-            for lane in self.lanes.drain(..) {
-                lane.lane.end();
-            }
-            return ended;
-        }
+        let ended = self.in_flight();
         for lane in &self.lanes {
             let _ = nix::sys::signal::kill(lane.lane.pid, nix::sys::signal::Signal::SIGTERM);
         }
@@ -237,9 +210,6 @@ fn serve(
     jobs: usize,
 ) -> i32 {
     set_nonblocking(link.as_raw_fd());
-    if zygote.isolation() == crate::zygote::resident::Isolation::Node {
-        return serve_in_turn(py, zygote, node, source, link);
-    }
     let mut calls = Calls::new(zygote, node);
     let mut inbox = Vec::new();
     let mut queue: VecDeque<usize> = VecDeque::new();
@@ -292,47 +262,6 @@ fn serve(
                 calls.kill_all();
                 return 1;
             }
-        }
-    }
-}
-
-/// `--isolation node`: the lane's calls one after another, each served by
-/// the node's resident child (its module state kept, as in a reused
-/// `worker_main.py`), replaced by a fresh fork when it dies. Stopping the
-/// sweep ends the lane, and the resident with it.
-fn serve_in_turn(
-    py: Python<'_>,
-    zygote: &mut Zygote,
-    node: &Node,
-    source: &Source,
-    link: Claimed,
-) -> i32 {
-    set_blocking(link.as_raw_fd());
-    let mut inbox = Vec::new();
-    loop {
-        while inbox.len() < 8 {
-            let mut chunk = [0u8; 4096];
-            match nix::unistd::read(link.as_fd(), &mut chunk) {
-                Ok(0) => return 0,
-                Ok(n) => inbox.extend_from_slice(&chunk[..n]),
-                Err(nix::errno::Errno::EINTR) => {}
-                Err(_) => return 1,
-            }
-        }
-        let index = u64::from_le_bytes(inbox[..8].try_into().expect("8 bytes")) as usize;
-        inbox.drain(..8);
-        let kwargs = source.get(index);
-        let request = node.request(crate::protocol::Op::Run, &index.to_string(), Some(&kwargs));
-        let mut answer = super::calls::Answer::default();
-        let started = std::time::Instant::now();
-        if zygote.serve(py, &request, &mut answer).is_err() {
-            eprintln!("fluksio-zygote sweep: the zygote can no longer fork safely");
-            return 1;
-        }
-        let duration = started.elapsed();
-        let done = Done::from_parts(index, duration, answer.events, answer.reply);
-        if write_all(link.as_raw_fd(), &encode(&done)).is_err() {
-            return 1;
         }
     }
 }
@@ -427,14 +356,6 @@ fn unsafe_borrow<'a>(fd: RawFd) -> BorrowedFd<'a> {
     // SAFETY: every fd passed here is a lane socket owned by a value that
     // outlives the call.
     unsafe { BorrowedFd::borrow_raw(fd) }
-}
-
-fn set_blocking(fd: RawFd) {
-    // SAFETY: fcntl flag changes on an fd this process owns.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
-    }
 }
 
 fn set_nonblocking(fd: RawFd) {

@@ -329,14 +329,15 @@ fn sweep(
     let total = prepared.calls.len();
     let bar = progress.then(|| report::progress_bar(total));
     let mut summary = Summary::new(total, jobs);
+    // Under `--isolation node` the sweep hands each call to a resident child
+    // itself: a fork per call in flight, not per call, needs no lanes.
     let in_turn = zygote.isolation() == zygote::resident::Isolation::Node;
     let (lane_count, per_lane) = if in_turn {
-        // A resident child serves one call at a time: a lane per call in flight.
-        (jobs.min(total.max(1)), 1)
+        (1, jobs)
     } else {
         lanes::shape(jobs.min(total.max(1)), lanes)
     };
-    let mut calls = if lane_count > 1 || in_turn {
+    let mut calls = if lane_count > 1 {
         match lanes::Lanes::start(
             py,
             zygote,

@@ -572,6 +572,50 @@ impl Zygote {
         )
     }
 
+    /// `--isolation node` for `sweep`: forks a resident child for a run of
+    /// a node compiled here and hands it the run; its later runs go down
+    /// the control pipe returned ([`Zygote::next_in_turn`]).
+    pub fn start_in_turn(
+        &mut self,
+        py: Python<'_>,
+        request: &Request,
+    ) -> Result<(Flight, plumbing::Claimed), SpawnError> {
+        let key = NodeKey {
+            flow: request.flow.clone(),
+            node: request.node.clone(),
+        };
+        let Some(digest) = self.nodes.get(&key).map(|c| c.digest.clone()) else {
+            return Err(SpawnError::NotCompiled);
+        };
+        self.dispatch_resident(
+            py,
+            &Assignment::for_request(request, Task::Resident, &digest),
+            None,
+        )
+    }
+
+    /// Hands a resident child ([`Zygote::start_in_turn`]) its next run.
+    pub fn next_in_turn(
+        &self,
+        control: &plumbing::Claimed,
+        flight: &mut Flight,
+        request: &Request,
+    ) -> std::io::Result<()> {
+        let key = NodeKey {
+            flow: request.flow.clone(),
+            node: request.node.clone(),
+        };
+        let digest = match self.nodes.get(&key) {
+            Some(compiled) => compiled.digest.clone(),
+            None => node::source_digest(&request.source),
+        };
+        flight.rearm();
+        child::send_assignment(
+            control,
+            &Assignment::for_request(request, Task::Resident, &digest),
+        )
+    }
+
     /// Takes back the log buffer of a landed call, for the next one.
     pub fn recycle(&mut self, logs: LogBuffer) {
         self.children.recycle(logs);
