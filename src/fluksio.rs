@@ -280,7 +280,7 @@ impl Identity {
 /// A call captures `sys.stderr` into its logs, so a handler holding the
 /// stream it was built with would write past every one of them.
 #[pyclass(module = "fluksio", frozen)]
-struct CurrentStderr;
+pub(crate) struct CurrentStderr;
 
 #[pymethods]
 impl CurrentStderr {

@@ -290,6 +290,7 @@ pub fn stand_by<'a>(
     let _ = capture::redirect_stdio(py);
     let _ = py.import("gc").and_then(|gc| gc.call_method0("enable"));
     let _ = rehearse(py);
+    finish::rehearse(py);
     for function in functions {
         let function = function.bind(py);
         for part in ["__code__", "__globals__", "__defaults__", "__kwdefaults__"] {

@@ -216,7 +216,10 @@ pub fn at_end(py: Python<'_>, ending: Ending) {
         Ending::Exit => "close",
         Ending::Between => "flush",
     };
-    if let Ok(logging) = py.import("logging") {
+    // Most calls make no logging handler: nothing for `shutdown` to do.
+    if let Ok(logging) = py.import("logging")
+        && has_handlers(&logging)
+    {
         let _ = match ending {
             Ending::Exit => logging.call_method0("shutdown").map(|_| ()),
             Ending::Between => flush_handlers(&logging),
@@ -246,6 +249,50 @@ pub fn at_end(py: Python<'_>, ending: Ending) {
     }
     if let Some(pending) = pending {
         pending.restore(py);
+    }
+}
+
+/// Whether a `logging` handler is alive other than `logging.lastResort`
+/// (made at import) and the `fluksio` logger's: both write straight to
+/// `sys.stderr`, which is flushed anyway. Without one, `logging.shutdown()`
+/// would find nothing to flush, and most calls make none.
+fn has_handlers(logging: &Bound<'_, PyAny>) -> bool {
+    let (Ok(handlers), Ok(last_resort)) = (
+        logging.getattr("_handlerList"),
+        logging.getattr("lastResort"),
+    ) else {
+        return true;
+    };
+    let Ok(handlers) = handlers.try_iter() else {
+        return true;
+    };
+    for weak in handlers {
+        match weak.and_then(|weak| weak.call0()) {
+            Ok(handler)
+                if handler.is_none()
+                    || handler.is(&last_resort)
+                    || handler
+                        .getattr("stream")
+                        .is_ok_and(|s| s.is_instance_of::<crate::fluksio::CurrentStderr>()) => {}
+            _ => return true,
+        }
+    }
+    false
+}
+
+/// In a standby child, before its call: the end of a call rehearsed with
+/// nothing to flush yet (the deadline armed and disarmed, the collector's
+/// young objects listed, the standard streams flushed empty), so the pages
+/// the real one touches are copied before the call, not during it.
+pub fn rehearse(py: Python<'_>) {
+    let deadline = arm(py, BUDGET);
+    if let Ok(logging) = py.import("logging") {
+        has_handlers(&logging);
+    }
+    let _ = young_files(py);
+    flush_standard(py);
+    if let Some(deadline) = deadline {
+        disarm(py, deadline);
     }
 }
 
