@@ -437,8 +437,13 @@ struct WorkerArgs {
     /// gets a zygote of its own, forked from this one: every other node's calls keep
     /// forking from a small process. 0: every node gets one. With --isolation node, nodes
     /// stay in this zygote
-    #[arg(long, env = "FLUKSIO_NODE_ZYGOTE_MIB", value_name = "MIB", default_value_t = 64,
-          help_heading = "Zygote")]
+    #[arg(
+        long,
+        env = "FLUKSIO_NODE_ZYGOTE_MIB",
+        value_name = "MIB",
+        default_value_t = 64,
+        help_heading = "Zygote"
+    )]
     node_zygote_mib: u64,
 
     /// Share one zygote with every worker started alike on this machine (the pool's

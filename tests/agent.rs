@@ -934,7 +934,10 @@ fn hundreds_of_calls_leave_no_fd_or_process_behind() {
         "(agent fds, zygote fds, zygote children) after 421 more calls"
     );
     assert_eq!(
-        (open_fds(node_zygote), common::children_of(node_zygote).len()),
+        (
+            open_fds(node_zygote),
+            common::children_of(node_zygote).len()
+        ),
         (node_fds, node_children),
         "(fds, children) of a node's own zygote after 120 more of its calls"
     );
@@ -962,6 +965,9 @@ fn a_long_compile_holds_up_no_other_nodes_calls() {
     std::fs::write(&gate, "").unwrap();
     let (_, reply) = connection.reply("slow", WAIT);
     assert_eq!(reply["ok"], true, "{reply}");
-    let (_, reply) = connection.reply_to(&run("slow", &common::gated_source(&gate, "slow"), json!({})), WAIT);
+    let (_, reply) = connection.reply_to(
+        &run("slow", &common::gated_source(&gate, "slow"), json!({})),
+        WAIT,
+    );
     assert_eq!(reply["result"], "slow", "{reply}");
 }

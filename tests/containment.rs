@@ -256,7 +256,6 @@ fn a_sigkilled_zygote_takes_its_calls_daemons_with_it() {
     }
 }
 
-
 /// Allocates `mb` MiB in 16 MiB steps, touching every page.
 const GREEDY: &str = "def process(mb):\n    held = []\n    for _ in range(mb // 16):\n        held.append(bytearray(16 * 1024 * 1024))\n    return len(held) * 16\n";
 

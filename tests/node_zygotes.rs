@@ -22,7 +22,12 @@ fn anonymous_mib(pid: i32) -> u64 {
         .lines()
         .find(|l| l.starts_with("RssAnon:"))
         .expect("RssAnon");
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        / 1024
 }
 
 fn parent(reply: &Value) -> i32 {
@@ -35,11 +40,17 @@ fn parent(reply: &Value) -> i32 {
 fn a_heavy_node_gets_a_zygote_of_its_own_and_the_worker_stays_small() {
     let mut worker = Worker::zygote(&["--node-zygote-mib", "16"]);
     let zygote = worker.pid();
-    assert_eq!(parent(&worker.call(&run(1, "who", WHO, json!({}))).reply), zygote);
+    assert_eq!(
+        parent(&worker.call(&run(1, "who", WHO, json!({}))).reply),
+        zygote
+    );
     let before = anonymous_mib(zygote);
     let compiled = worker.call(&compile(2, "heavy", HEAVY)).reply;
     assert_eq!(compiled["ok"], true, "{compiled}");
-    assert_eq!(compiled["logs"], "loading\n", "its module level ran, and said so");
+    assert_eq!(
+        compiled["logs"], "loading\n",
+        "its module level ran, and said so"
+    );
     let heavy = worker.call(&run(3, "heavy", HEAVY, json!({}))).reply;
     assert_eq!(heavy["result"][2], 1_000_000, "{heavy}");
     let own = parent(&heavy);
@@ -55,8 +66,14 @@ fn a_heavy_node_gets_a_zygote_of_its_own_and_the_worker_stays_small() {
         anonymous_mib(zygote)
     );
     // Another node's calls still fork from the worker's own zygote.
-    assert_eq!(parent(&worker.call(&run(4, "who", WHO, json!({}))).reply), zygote);
-    assert_eq!(parent(&worker.call(&run(5, "heavy", HEAVY, json!({}))).reply), own);
+    assert_eq!(
+        parent(&worker.call(&run(4, "who", WHO, json!({}))).reply),
+        zygote
+    );
+    assert_eq!(
+        parent(&worker.call(&run(5, "heavy", HEAVY, json!({}))).reply),
+        own
+    );
     let (code, _) = worker.finish();
     assert_eq!(code, Some(0));
     assert!(
@@ -90,5 +107,8 @@ fn under_isolation_node_a_heavy_node_stays_in_the_worker() {
     let first = worker.call(&run(1, "heavy", HEAVY, json!({}))).reply;
     let second = worker.call(&run(2, "heavy", HEAVY, json!({}))).reply;
     assert_eq!(parent(&first), zygote, "{first}");
-    assert_eq!(first["result"][0], second["result"][0], "one resident child");
+    assert_eq!(
+        first["result"][0], second["result"][0],
+        "one resident child"
+    );
 }

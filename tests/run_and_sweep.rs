@@ -791,7 +791,10 @@ fn lanes_each_fork_their_share_of_the_calls() {
     lanes.dedup();
     assert_eq!(lanes.len(), 2, "two lanes forked the calls: {lanes:?}");
     for line in &lines {
-        assert_eq!(line["result"][2], sweep_pid, "each lane a fork of the sweep: {line}");
+        assert_eq!(
+            line["result"][2], sweep_pid,
+            "each lane a fork of the sweep: {line}"
+        );
     }
     // One lane: the sweep's own zygote forks every call.
     let one = sweep(&lineage, &["--grid", "x=0..19", "-j", "4", "--lanes", "1"]);
@@ -815,7 +818,10 @@ fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
         "counter.py",
         "import os\nCALLS = []\ndef process(x):\n    CALLS.append(x)\n    return [os.getpid(), len(CALLS)]\n",
     );
-    let output = sweep(&counter, &["--grid", "x=0..99", "-j", "2", "--isolation", "node"]);
+    let output = sweep(
+        &counter,
+        &["--grid", "x=0..99", "-j", "2", "--isolation", "node"],
+    );
     let lines = lines_of(&output);
     assert_eq!(lines.len(), 100);
     let mut by_child: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
@@ -826,7 +832,11 @@ fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
             .or_default()
             .push(result[1].as_i64().unwrap());
     }
-    assert_eq!(by_child.len(), 2, "one resident child per call in flight: {by_child:?}");
+    assert_eq!(
+        by_child.len(),
+        2,
+        "one resident child per call in flight: {by_child:?}"
+    );
     for counts in by_child.values_mut() {
         counts.sort_unstable();
         let expected: Vec<i64> = (1..=counts.len() as i64).collect();

@@ -178,7 +178,11 @@ fn one_slots_long_compile_holds_up_no_other_slots_calls() {
     let mut b = slot("long-compile");
     who(&mut a, 1);
     let gate = common::scratch("slot-long-compile").join("gate");
-    a.send(&common::compile(2, "slow", &common::gated_source(&gate, "slow")));
+    a.send(&common::compile(
+        2,
+        "slow",
+        &common::gated_source(&gate, "slow"),
+    ));
     // The other slot's calls are forked and answered while it loads.
     for id in 3..8 {
         let (call, _) = who(&mut b, id);

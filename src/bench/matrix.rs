@@ -582,7 +582,12 @@ impl Context<'_> {
                 ),
                 Err(_) => format!("`sweep -j 2`: {}", shape(lanes)),
             };
-            self.push(scenario, Server::Ours(variant), rate.map(Metric::Rate), note);
+            self.push(
+                scenario,
+                Server::Ours(variant),
+                rate.map(Metric::Rate),
+                note,
+            );
         }
         let rate = node.and_then(|node| {
             self.ours
@@ -912,9 +917,9 @@ impl Context<'_> {
         let dir = self.scratch.subdir("pss")?;
         let node = self.scratch.file("holder.py", source)?;
         let kwargs = serde_json::json!({"dir": dir, "mb": mb}).to_string();
-        let mut child = self
-            .ours
-            .start_sweep(variant, &node, (HOLDERS, HOLDERS), Some(&kwargs), &[])?;
+        let mut child =
+            self.ours
+                .start_sweep(variant, &node, (HOLDERS, HOLDERS), Some(&kwargs), &[])?;
         if let Err(why) = wait_ready(&dir) {
             let _ = child.kill();
             return Err(format!(

@@ -252,6 +252,13 @@ pub fn default_reference() -> PathBuf {
     Path::new("..").join("shared").join("reference")
 }
 
+/// The lanes `sweep -j jobs` forks its calls from on this machine.
+pub fn lanes_for(jobs: usize) -> usize {
+    crate::sweep::default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .min(jobs)
+        .max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -265,11 +272,4 @@ mod tests {
         assert_eq!(factor_text(0.96_f64.recip()), "1.0");
         assert_eq!(factor_text(54.9), "55");
     }
-}
-
-/// The lanes `sweep -j jobs` forks its calls from on this machine.
-pub fn lanes_for(jobs: usize) -> usize {
-    crate::sweep::default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .min(jobs)
-        .max(1)
 }

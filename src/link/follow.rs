@@ -129,12 +129,7 @@ pub fn follow(
 }
 
 /// Writes every whole line in `lines`; true once the reply went out.
-fn relay(
-    lines: &mut LineBuffer,
-    id: &RawValue,
-    call_id: &str,
-    out: &mut dyn CallOutput,
-) -> bool {
+fn relay(lines: &mut LineBuffer, id: &RawValue, call_id: &str, out: &mut dyn CallOutput) -> bool {
     let mut replied = false;
     while let Some(piece) = lines.next_piece() {
         if replied {

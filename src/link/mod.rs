@@ -148,9 +148,7 @@ impl Frame {
             }
             Frame::Done { ticket } => (DONE, *ticket, Vec::new(), None),
             Frame::Abandon { ticket } => (ABANDON, *ticket, Vec::new(), None),
-            Frame::Lost { ticket, message } => {
-                (LOST, *ticket, message.as_bytes().to_vec(), None)
-            }
+            Frame::Lost { ticket, message } => (LOST, *ticket, message.as_bytes().to_vec(), None),
         };
         let mut bytes = Vec::with_capacity(13 + payload.len());
         bytes.extend_from_slice(&((9 + payload.len()) as u32).to_le_bytes());

@@ -75,7 +75,12 @@ pub struct Done {
 
 impl Done {
     /// A call that ended in another process (a lane, `super::lanes`).
-    pub fn from_parts(index: usize, duration: Duration, events: Vec<Vec<u8>>, reply: Vec<u8>) -> Done {
+    pub fn from_parts(
+        index: usize,
+        duration: Duration,
+        events: Vec<Vec<u8>>,
+        reply: Vec<u8>,
+    ) -> Done {
         Done {
             index,
             answer: Answer {
@@ -141,7 +146,9 @@ impl<'a> Calls<'a> {
     ) -> Result<(), String> {
         let request = self.node.request(Op::Run, &index.to_string(), Some(kwargs));
         let started = if !self.in_turn {
-            self.zygote.start_run(py, &request).map(|flight| (flight, None))
+            self.zygote
+                .start_run(py, &request)
+                .map(|flight| (flight, None))
         } else if let Some(Idle {
             mut flight,
             control,

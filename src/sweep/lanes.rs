@@ -49,7 +49,9 @@ const CORES_PER_LANE: usize = 3;
 /// most one per call.
 pub fn shape(jobs: usize, lanes: Option<usize>) -> (usize, usize) {
     let lanes = lanes
-        .unwrap_or_else(|| default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get())))
+        .unwrap_or_else(|| {
+            default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        })
         .min(jobs)
         .max(1);
     (lanes, jobs.div_ceil(lanes))

@@ -158,10 +158,7 @@ pub fn wait_ready(node_zygote: &NodeZygote, receiver: &mut Receiver) -> Result<(
                 let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE);
             }
             Ok(Received::Closed) | Err(_) => {
-                return Err(format!(
-                    "it ended as it started (pid {})",
-                    node_zygote.pid
-                ));
+                return Err(format!("it ended as it started (pid {})", node_zygote.pid));
             }
         }
     }

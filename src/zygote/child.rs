@@ -330,7 +330,9 @@ pub fn serve(
     if let Function::Loaded(_) = function {
         node::enter(py, &call.key, &call.digest);
     }
-    let before = (call.task == Task::Trial).then(anonymous_memory_mib).flatten();
+    let before = (call.task == Task::Trial)
+        .then(anonymous_memory_mib)
+        .flatten();
     let outcome = apply_env(py, &call.env).and_then(|()| perform(py, call, function, logs));
     let heavy = before.is_some_and(|before| {
         heavy_from_mib().is_some_and(|limit| {

@@ -370,8 +370,8 @@ impl Zygote {
                 }
                 _ => None,
             };
-            let own_zygote = self.node_zygote_mib.is_some()
-                && self.isolation == resident::Isolation::Call;
+            let own_zygote =
+                self.node_zygote_mib.is_some() && self.isolation == resident::Isolation::Call;
             let loaded = match verdict {
                 Some(TrialVerdict::LoadedHeavy) if own_zygote => {
                     self.give_own_zygote(py, &key, &request.source, &digest);
@@ -851,7 +851,12 @@ impl Zygote {
     /// its link, its lines back to `out`. If that zygote has died, the node
     /// is forgotten (its next request loads it again) and the call's reply
     /// says so.
-    fn relay(&mut self, key: &NodeKey, request: &Request, out: &mut dyn CallOutput) -> Result<(), Stop> {
+    fn relay(
+        &mut self,
+        key: &NodeKey,
+        request: &Request,
+        out: &mut dyn CallOutput,
+    ) -> Result<(), Stop> {
         let Some(Compiled {
             residence: Residence::OwnZygote(own),
             ..

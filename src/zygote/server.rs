@@ -382,7 +382,10 @@ impl Server {
             match relay.node_zygote.exit.fd() {
                 Some(fd) => fds.push(PollFd::new(fd, PollFlags::POLLIN)),
                 // Without pidfds its socket closing says it ended.
-                None => fds.push(PollFd::new(relay.node_zygote.link.as_fd(), PollFlags::empty())),
+                None => fds.push(PollFd::new(
+                    relay.node_zygote.link.as_fd(),
+                    PollFlags::empty(),
+                )),
             }
         }
         let first_run = fds.len();
@@ -409,7 +412,8 @@ impl Server {
             Err(error) => return Err(error.into()),
         }
         let is_ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
-        let has = |fd: &PollFd<'_>, flag: PollFlags| fd.revents().is_some_and(|r| r.intersects(flag));
+        let has =
+            |fd: &PollFd<'_>, flag: PollFlags| fd.revents().is_some_and(|r| r.intersects(flag));
         let accept = taking_calls && self.listener.is_some() && is_ready(&fds[0]);
         // A closed link reads as POLLHUP even when calls are not taken.
         let links = self
@@ -428,7 +432,10 @@ impl Server {
             .zip(fds[first_relay..first_run].chunks(2))
         {
             let pid = relay.node_zygote.pid;
-            if has(&pair[0], PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
+            if has(
+                &pair[0],
+                PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR,
+            ) {
                 relayed.push(pid);
             }
             if has(&pair[0], PollFlags::POLLOUT) {
@@ -540,42 +547,22 @@ impl Server {
         };
         self.next_route += 1;
         let relayed = self.next_route;
-        let pid = match self.node_zygotes.iter_mut().find(|r| r.node_zygote.key == key) {
-            Some(relay) => {
-                relay.last_used = relayed;
-                relay.node_zygote.pid
+        let pid = match self.node_zygote_for(py, zygote, &key, relayed) {
+            Ok(pid) => pid,
+            Err(error) => {
+                if let Some(socket) = self.socket_of(link) {
+                    let message = format!("could not start the node's zygote: {error}");
+                    LinkOutput { socket, ticket }.reply(&protocol::failure_reply(
+                        &parsed.id,
+                        &parsed.call_id,
+                        "RemoteError",
+                        &message,
+                        "",
+                    ));
+                    send(socket, Frame::Done { ticket });
+                }
+                return;
             }
-            None => match {
-                self.retire_one();
-                app::spawn(py, zygote, &key, self.contract, None)
-            } {
-                Ok(node_zygote) => {
-                    set_nonblocking(node_zygote.raw_link());
-                    let pid = node_zygote.pid;
-                    tracing::debug!(node = %key, pid = pid.as_raw(), "forked the node's own zygote");
-                    self.node_zygotes.push(Relay {
-                        node_zygote,
-                        last_used: relayed,
-                        receiver: Receiver::default(),
-                        outbox: Vec::new(),
-                    });
-                    pid
-                }
-                Err(error) => {
-                    if let Some(socket) = self.socket_of(link) {
-                        let message = format!("could not start the node's zygote: {error}");
-                        LinkOutput { socket, ticket }.reply(&protocol::failure_reply(
-                            &parsed.id,
-                            &parsed.call_id,
-                            "RemoteError",
-                            &message,
-                            "",
-                        ));
-                        send(socket, Frame::Done { ticket });
-                    }
-                    return;
-                }
-            },
         };
         self.routes.insert(
             relayed,
@@ -594,14 +581,48 @@ impl Server {
         );
     }
 
+    /// The node zygote of `key`, forked now if it has none; `used` marks it
+    /// as the most recently used.
+    fn node_zygote_for(
+        &mut self,
+        py: Python<'_>,
+        zygote: &mut Zygote,
+        key: &NodeKey,
+        used: u64,
+    ) -> std::io::Result<Pid> {
+        if let Some(relay) = self
+            .node_zygotes
+            .iter_mut()
+            .find(|r| r.node_zygote.key == *key)
+        {
+            relay.last_used = used;
+            return Ok(relay.node_zygote.pid);
+        }
+        self.retire_one();
+        let node_zygote = app::spawn(py, zygote, key, self.contract, None)?;
+        set_nonblocking(node_zygote.raw_link());
+        let pid = node_zygote.pid;
+        tracing::debug!(node = %key, pid = pid.as_raw(), "forked the node's own zygote");
+        self.node_zygotes.push(Relay {
+            node_zygote,
+            last_used: used,
+            receiver: Receiver::default(),
+            outbox: Vec::new(),
+        });
+        Ok(pid)
+    }
+
     /// Makes room for one more node zygote: past [`MAX_NODE_ZYGOTES`], ends
     /// the least recently used one with no call in flight.
     fn retire_one(&mut self) {
         if self.node_zygotes.len() < MAX_NODE_ZYGOTES {
             return;
         }
-        let busy: std::collections::HashSet<Pid> =
-            self.routes.values().map(|route| route.node_zygote).collect();
+        let busy: std::collections::HashSet<Pid> = self
+            .routes
+            .values()
+            .map(|route| route.node_zygote)
+            .collect();
         let Some(index) = self
             .node_zygotes
             .iter()
@@ -619,7 +640,11 @@ impl Server {
 
     /// Queues a frame for a node zygote and sends what its socket takes.
     fn post(&mut self, pid: Pid, frame: &Frame) {
-        if let Some(relay) = self.node_zygotes.iter_mut().find(|r| r.node_zygote.pid == pid) {
+        if let Some(relay) = self
+            .node_zygotes
+            .iter_mut()
+            .find(|r| r.node_zygote.pid == pid)
+        {
             relay.outbox.extend_from_slice(&frame.bytes());
         }
         self.flush_to(pid);
@@ -628,7 +653,11 @@ impl Server {
     /// Sends what a node zygote's socket takes of its outbox, without
     /// waiting.
     fn flush_to(&mut self, pid: Pid) {
-        let Some(relay) = self.node_zygotes.iter_mut().find(|r| r.node_zygote.pid == pid) else {
+        let Some(relay) = self
+            .node_zygotes
+            .iter_mut()
+            .find(|r| r.node_zygote.pid == pid)
+        else {
             return;
         };
         while !relay.outbox.is_empty() {
@@ -649,7 +678,11 @@ impl Server {
     /// Reads a node zygote's frames and passes each to the call it belongs
     /// to, under that call's own ticket.
     fn read_node_zygote(&mut self, pid: Pid) {
-        let Some(index) = self.node_zygotes.iter().position(|r| r.node_zygote.pid == pid) else {
+        let Some(index) = self
+            .node_zygotes
+            .iter()
+            .position(|r| r.node_zygote.pid == pid)
+        else {
             return;
         };
         loop {
@@ -701,7 +734,11 @@ impl Server {
     /// ended; what its calls left is ended too. Its node's next request
     /// forks a new one.
     fn node_zygote_ended(&mut self, pid: Pid) {
-        let Some(index) = self.node_zygotes.iter().position(|r| r.node_zygote.pid == pid) else {
+        let Some(index) = self
+            .node_zygotes
+            .iter()
+            .position(|r| r.node_zygote.pid == pid)
+        else {
             return;
         };
         let relay = self.node_zygotes.swap_remove(index);
