@@ -196,35 +196,41 @@ fn in_a_sweep_one_point_cannot_kill_or_forge_another_in_flight() {
         ),
     )
     .unwrap();
-    let output = std::process::Command::new(common::ZYGOTE)
-        .args([
-            "sweep",
-            node.to_str().unwrap(),
-            "--grid",
-            "x=0..2",
-            "-j",
-            "3",
-        ])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("the sweep runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let points: Vec<Value> = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    assert_eq!(
-        points.len(),
-        3,
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    for point in &points {
-        assert_eq!(point["ok"], true, "{point}");
-        if point["kwargs"]["x"] == 0 {
-            assert_eq!(point["result"], "A", "the victim survived: {point}");
-        } else {
-            assert_reached_nothing(&point["result"]);
+    // From one zygote, and from three lanes (each a zygote of its own).
+    for lanes in ["1", "3"] {
+        let _ = std::fs::remove_file(&release);
+        let output = std::process::Command::new(common::ZYGOTE)
+            .args([
+                "sweep",
+                node.to_str().unwrap(),
+                "--grid",
+                "x=0..2",
+                "-j",
+                "3",
+                "--lanes",
+                lanes,
+            ])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("the sweep runs");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let points: Vec<Value> = stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        assert_eq!(
+            points.len(),
+            3,
+            "--lanes {lanes}: {stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        for point in &points {
+            assert_eq!(point["ok"], true, "--lanes {lanes}: {point}");
+            if point["kwargs"]["x"] == 0 {
+                assert_eq!(point["result"], "A", "the victim survived: {point}");
+            } else {
+                assert_reached_nothing(&point["result"]);
+            }
         }
     }
 }

@@ -237,6 +237,8 @@ impl Server {
         // flight (each forked safely) land and are reported, then the zygote
         // exits for a new one to be started.
         let mut restarting = false;
+        // Since when no link is open (a shared zygote lingers then).
+        let mut alone_since: Option<std::time::Instant> = None;
         loop {
             if restarting && self.runs.is_empty() && self.routes.is_empty() {
                 return MUST_RESTART;
@@ -247,10 +249,14 @@ impl Server {
                     (None, _) => return 0,
                     // A shared zygote's last slot left: the pool respawns a
                     // killed slot at once, and it should find the zygote warm.
-                    (Some(_), n) if n > 0 => Some(shared_linger()),
+                    (Some(_), n) if n > 0 => {
+                        let since = *alone_since.get_or_insert_with(std::time::Instant::now);
+                        Some(shared_linger().saturating_sub(since.elapsed()))
+                    }
                     _ => None,
                 }
             } else {
+                alone_since = None;
                 None
             };
             let ready = match self.wait(!restarting, linger) {
@@ -260,7 +266,15 @@ impl Server {
                     return 1;
                 }
             };
-            if linger.is_some() && self.links.is_empty() && !ready.accept && self.runs.is_empty() {
+            // Its time alone is up, with nothing in flight (a node zygote's
+            // news may wake it before then).
+            let lingered = alone_since.is_some_and(|since| since.elapsed() >= shared_linger());
+            if lingered
+                && self.links.is_empty()
+                && !ready.accept
+                && self.runs.is_empty()
+                && self.routes.is_empty()
+            {
                 return 0;
             }
             for index in ready.exited.into_iter().rev() {
