@@ -597,7 +597,7 @@ impl Context<'_> {
             scenario,
             Server::Ours(Variant::Node),
             rate.map(Metric::Rate),
-            "`sweep -j 2 --isolation node`: 2 lanes, each a resident child serving its calls in turn",
+            "`sweep -j 2 --isolation node`: a resident child per call in flight, serving its calls in turn",
         );
         let (server, run) = self.floor(calls, IN_FLIGHT);
         let note = run.as_ref().map(|r| r.profile.clone()).unwrap_or_default();

@@ -133,11 +133,29 @@ fn is_instance(object: &Bound<'_, PyAny>, base: &Bound<'_, PyAny>) -> bool {
 }
 
 /// The files among the objects the collector tracks outside the permanent
-/// generation: text ones first (closing one closes what it wraps).
-fn young_files(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyAny>>> {
+/// generation (or in `generations` only): text ones first (closing one
+/// closes what it wraps).
+fn young_files<'py>(
+    py: Python<'py>,
+    generations: Option<&[u8]>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let (text, buffered) = io_bases(py)?;
-    let objects = py.import("gc")?.call_method0("get_objects")?;
-    let objects = objects.cast::<PyList>()?;
+    let gc = py.import("gc")?;
+    let objects = match generations {
+        None => gc.call_method0("get_objects")?.cast_into::<PyList>()?,
+        Some(generations) => {
+            let all = PyList::empty(py);
+            for &generation in generations {
+                let kwargs = pyo3::types::PyDict::new(py);
+                kwargs.set_item("generation", generation)?;
+                let some = gc.call_method("get_objects", (), Some(&kwargs))?;
+                for object in some.cast::<PyList>()?.iter() {
+                    all.append(object)?;
+                }
+            }
+            all
+        }
+    };
     let sys = py.import("sys")?;
     let standard: Vec<Bound<'_, PyAny>> = [
         "__stdin__",
@@ -173,7 +191,7 @@ fn young_files(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyAny>>> {
 /// a copy of buffered data it would write again.
 pub fn settle_zygote(py: Python<'_>) {
     let deadline = arm(py, BUDGET);
-    if let Ok(files) = young_files(py) {
+    if let Ok(files) = young_files(py, None) {
         let mut kept = ZYGOTE_FILES.lock().unwrap_or_else(|e| e.into_inner());
         for file in files {
             let _ = file.call_method0("flush");
@@ -207,49 +225,108 @@ fn flush_standard(py: Python<'_>) {
     unsafe { libc::fflush(std::ptr::null_mut()) };
 }
 
-/// At the end of a call, in its child: what `python3` writes out at exit.
+/// At the end of a call, in its child, before its reply (which carries
+/// what a handler still logs). `Exit`: what `python3` writes out at exit.
+/// `Between` (a resident child, whose next call comes): its `logging`
+/// handlers flushed; the rest after the reply, [`between_calls`].
 pub fn at_end(py: Python<'_>, ending: Ending) {
     // The node's error, if one is being raised, is not ours to disturb.
     let pending = PyErr::take(py);
-    let deadline = arm(py, BUDGET);
-    let method = match ending {
-        Ending::Exit => "close",
-        Ending::Between => "flush",
-    };
     // Most calls make no logging handler: nothing for `shutdown` to do.
-    if let Ok(logging) = py.import("logging")
-        && has_handlers(&logging)
-    {
+    let handlers = py
+        .import("logging")
+        .ok()
+        .filter(|logging| has_handlers(logging));
+    if ending == Ending::Between && handlers.is_none() {
+        if let Some(pending) = pending {
+            pending.restore(py);
+        }
+        return;
+    }
+    let deadline = arm(py, BUDGET);
+    if let Some(logging) = handlers {
         let _ = match ending {
             Ending::Exit => logging.call_method0("shutdown").map(|_| ()),
             Ending::Between => flush_handlers(&logging),
         };
     }
-    if let Ok(files) = young_files(py) {
-        for file in files {
-            let _ = file.call_method0(method);
+    if ending == Ending::Exit {
+        if let Ok(files) = young_files(py, None) {
+            for file in files {
+                let _ = file.call_method0("close");
+            }
         }
-    }
-    let zygote_files: Vec<Py<PyAny>> = ZYGOTE_FILES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .map(|weak| weak.clone_ref(py))
-        .collect();
-    for weak in zygote_files {
-        if let Ok(file) = weak.bind(py).call0()
-            && !file.is_none()
-        {
-            let _ = file.call_method0(method);
+        for file in live(py, &ZYGOTE_FILES) {
+            let _ = file.call_method0("close");
         }
+        flush_standard(py);
     }
-    flush_standard(py);
     if let Some(deadline) = deadline {
         disarm(py, deadline);
     }
     if let Some(pending) = pending {
         pending.restore(py);
     }
+}
+
+/// Files a resident child found open after its earlier calls (weak
+/// references): written out after each call.
+static RESIDENT_FILES: Mutex<Vec<Py<PyAny>>> = Mutex::new(Vec::new());
+
+/// In a resident child, once a call's reply is out: the files it has open
+/// written out (not closed: its next call may write on) and the standard
+/// streams flushed, under the same deadline as at exit. Only objects young
+/// enough to be new since the last call are searched for files (the
+/// collector's generations 0 and 1: a resident's heap grows with its
+/// module state, and a full search after every call would grow with it);
+/// files found once are remembered until they close.
+pub fn between_calls(py: Python<'_>) {
+    let deadline = arm(py, BUDGET);
+    if let Ok(files) = young_files(py, Some(&[0, 1])) {
+        let known = live(py, &RESIDENT_FILES);
+        let mut kept = RESIDENT_FILES.lock().unwrap_or_else(|e| e.into_inner());
+        let weakref = py.import("weakref");
+        for file in files {
+            if known.iter().any(|k| k.is(&file)) {
+                continue;
+            }
+            if let Ok(weakref) = &weakref
+                && let Ok(weak) = weakref.call_method1("ref", (&file,))
+            {
+                kept.push(weak.unbind());
+            }
+        }
+    }
+    for file in live(py, &RESIDENT_FILES)
+        .into_iter()
+        .chain(live(py, &ZYGOTE_FILES))
+    {
+        if !file
+            .getattr("closed")
+            .is_ok_and(|c| c.is_truthy().unwrap_or(false))
+        {
+            let _ = file.call_method0("flush");
+        }
+    }
+    flush_standard(py);
+    if let Some(deadline) = deadline {
+        disarm(py, deadline);
+    }
+}
+
+/// The objects still alive behind a list of weak references (the dead
+/// ones are dropped from it).
+fn live<'py>(py: Python<'py>, weak: &Mutex<Vec<Py<PyAny>>>) -> Vec<Bound<'py, PyAny>> {
+    let mut list = weak.lock().unwrap_or_else(|e| e.into_inner());
+    let mut alive = Vec::new();
+    list.retain(|weak| match weak.bind(py).call0() {
+        Ok(object) if !object.is_none() => {
+            alive.push(object);
+            true
+        }
+        _ => false,
+    });
+    alive
 }
 
 /// Whether a `logging` handler is alive other than `logging.lastResort`
@@ -289,7 +366,7 @@ pub fn rehearse(py: Python<'_>) {
     if let Ok(logging) = py.import("logging") {
         has_handlers(&logging);
     }
-    let _ = young_files(py);
+    let _ = young_files(py, None);
     flush_standard(py);
     if let Some(deadline) = deadline {
         disarm(py, deadline);

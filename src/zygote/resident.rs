@@ -194,4 +194,5 @@ fn answer(py: Python<'_>, call: &Assignment, outcome: PyResult<Option<Bound<'_, 
     at_end(py, Ending::Between);
     let reply = child::encode_reply(py, call, outcome);
     let _ = super::channel::send_reply(py, &reply);
+    super::finish::between_calls(py);
 }
