@@ -957,8 +957,10 @@ fn a_long_compile_holds_up_no_other_nodes_calls() {
         );
         let (seen, reply) = connection.reply_to(&request, WAIT);
         assert_eq!(reply["result"], i, "{reply}");
+        // (Its heartbeats may come meanwhile; its reply may not.)
         assert!(
-            seen.iter().all(|m| m["call_id"] != "slow"),
+            seen.iter()
+                .all(|m| m["call_id"] != "slow" || m.get("ok").is_none()),
             "the compile was answered before its module level ended: {seen:?}"
         );
     }

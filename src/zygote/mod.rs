@@ -558,13 +558,9 @@ impl Zygote {
     /// served before), without waiting for it: the caller follows the
     /// flight, lands it, and hands its logs back with [`Zygote::recycle`].
     pub fn start_run(&mut self, py: Python<'_>, request: &Request) -> Result<Flight, SpawnError> {
-        let key = NodeKey {
-            flow: request.flow.clone(),
-            node: request.node.clone(),
-        };
-        let Some(digest) = self.nodes.get(&key).map(|c| c.digest.clone()) else {
-            return Err(SpawnError::NotCompiled);
-        };
+        let digest = self
+            .compiled_digest(request)
+            .ok_or(SpawnError::NotCompiled)?;
         self.dispatch(
             py,
             &Assignment::for_request(request, Task::Run, &digest),
@@ -580,13 +576,9 @@ impl Zygote {
         py: Python<'_>,
         request: &Request,
     ) -> Result<(Flight, plumbing::Claimed), SpawnError> {
-        let key = NodeKey {
-            flow: request.flow.clone(),
-            node: request.node.clone(),
-        };
-        let Some(digest) = self.nodes.get(&key).map(|c| c.digest.clone()) else {
-            return Err(SpawnError::NotCompiled);
-        };
+        let digest = self
+            .compiled_digest(request)
+            .ok_or(SpawnError::NotCompiled)?;
         self.dispatch_resident(
             py,
             &Assignment::for_request(request, Task::Resident, &digest),
@@ -601,19 +593,23 @@ impl Zygote {
         flight: &mut Flight,
         request: &Request,
     ) -> std::io::Result<()> {
-        let key = NodeKey {
-            flow: request.flow.clone(),
-            node: request.node.clone(),
-        };
-        let digest = match self.nodes.get(&key) {
-            Some(compiled) => compiled.digest.clone(),
-            None => node::source_digest(&request.source),
-        };
+        let digest = self
+            .compiled_digest(request)
+            .unwrap_or_else(|| node::source_digest(&request.source));
         flight.rearm();
         child::send_assignment(
             control,
             &Assignment::for_request(request, Task::Resident, &digest),
         )
+    }
+
+    /// The digest of the source the request's node was compiled from here.
+    fn compiled_digest(&self, request: &Request) -> Option<String> {
+        let key = NodeKey {
+            flow: request.flow.clone(),
+            node: request.node.clone(),
+        };
+        self.nodes.get(&key).map(|compiled| compiled.digest.clone())
     }
 
     /// Takes back the log buffer of a landed call, for the next one.

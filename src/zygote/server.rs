@@ -652,14 +652,19 @@ impl Server {
         relay.node_zygote.end();
     }
 
+    /// Where node zygote `pid` is in `node_zygotes`.
+    fn relay_index(&self, pid: Pid) -> Option<usize> {
+        self.node_zygotes
+            .iter()
+            .position(|relay| relay.node_zygote.pid == pid)
+    }
+
     /// Queues a frame for a node zygote and sends what its socket takes.
     fn post(&mut self, pid: Pid, frame: &Frame) {
-        if let Some(relay) = self
-            .node_zygotes
-            .iter_mut()
-            .find(|r| r.node_zygote.pid == pid)
-        {
-            relay.outbox.extend_from_slice(&frame.bytes());
+        if let Some(index) = self.relay_index(pid) {
+            self.node_zygotes[index]
+                .outbox
+                .extend_from_slice(&frame.bytes());
         }
         self.flush_to(pid);
     }
@@ -667,11 +672,7 @@ impl Server {
     /// Sends what a node zygote's socket takes of its outbox, without
     /// waiting.
     fn flush_to(&mut self, pid: Pid) {
-        let Some(relay) = self
-            .node_zygotes
-            .iter_mut()
-            .find(|r| r.node_zygote.pid == pid)
-        else {
+        let Some(relay) = self.relay_index(pid).map(|i| &mut self.node_zygotes[i]) else {
             return;
         };
         while !relay.outbox.is_empty() {
@@ -692,11 +693,7 @@ impl Server {
     /// Reads a node zygote's frames and passes each to the call it belongs
     /// to, under that call's own ticket.
     fn read_node_zygote(&mut self, pid: Pid) {
-        let Some(index) = self
-            .node_zygotes
-            .iter()
-            .position(|r| r.node_zygote.pid == pid)
-        else {
+        let Some(index) = self.relay_index(pid) else {
             return;
         };
         loop {
@@ -748,11 +745,7 @@ impl Server {
     /// ended; what its calls left is ended too. Its node's next request
     /// forks a new one.
     fn node_zygote_ended(&mut self, pid: Pid) {
-        let Some(index) = self
-            .node_zygotes
-            .iter()
-            .position(|r| r.node_zygote.pid == pid)
-        else {
+        let Some(index) = self.relay_index(pid) else {
             return;
         };
         let relay = self.node_zygotes.swap_remove(index);
