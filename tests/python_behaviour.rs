@@ -474,3 +474,38 @@ fn a_call_holds_no_pidfd_of_another_call() {
     }
     assert_eq!(stdout.lines().count(), 6, "{stdout}");
 }
+
+/// `--isolation node`: a resident child keeps its files open between calls
+/// and writes them out when idle, and everything when it is retired (the
+/// worker's stdin closing right behind the last reply, say).
+#[test]
+fn a_resident_writes_out_its_files_between_calls_and_when_retired() {
+    let dir = scratch("resident-buffers");
+    let file = dir.join("calls.txt").to_string_lossy().into_owned();
+    let source = format!(
+        "F = open({file:?}, 'a')\ndef process(i):\n    F.write('call %d;' % i)\n    return i\n"
+    );
+    let written = || std::fs::read_to_string(&file).unwrap_or_default();
+    let mut worker = Worker::zygote(&["--isolation", "node"]);
+    assert_eq!(
+        worker.call(&run(0, "n", &source, json!({"i": 0}))).reply["result"],
+        0
+    );
+    // Idle after its reply, it flushes (within a few ms).
+    let start = Instant::now();
+    while !written().contains("call 0;") && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(written(), "call 0;", "written out while the resident waits");
+    for i in 1..50 {
+        worker.call(&run(i, "n", &source, json!({"i": i})));
+    }
+    let (code, _) = worker.finish();
+    assert_eq!(code, Some(0));
+    let all: String = (0..50).map(|i| format!("call {i};")).collect();
+    assert_eq!(
+        written(),
+        all,
+        "every call's line, once, when it was retired"
+    );
+}

@@ -88,6 +88,15 @@ impl Frame {
         }
     }
 
+    /// The fd a frame carries, if it carries one.
+    pub fn fd(&self) -> Option<RawFd> {
+        match self {
+            Frame::Started { pidfd, .. } => Some(pidfd.as_raw_fd()),
+            Frame::Pipe { pipe, .. } => Some(pipe.as_raw_fd()),
+            _ => None,
+        }
+    }
+
     /// Whether nothing more comes about its call after this frame.
     pub fn is_last(&self) -> bool {
         matches!(
@@ -277,6 +286,10 @@ pub struct Receiver {
     buffer: Vec<u8>,
     fds: VecDeque<OwnedFd>,
     closed: bool,
+    /// In a process that forks (a zygote relaying a node zygote's frames):
+    /// an fd that arrived is claimed until its frame is whole and taken,
+    /// so no child forked meanwhile holds it (`zygote::plumbing`).
+    claiming: bool,
 }
 
 /// What one read from the socket gave.
@@ -290,6 +303,14 @@ pub enum Received {
 }
 
 impl Receiver {
+    /// A receiver whose fds are claimed while they wait for their frame.
+    pub fn claiming() -> Receiver {
+        Receiver {
+            claiming: true,
+            ..Receiver::default()
+        }
+    }
+
     /// One `recvmsg`: bytes into the buffer, fds into the queue.
     pub fn receive(&mut self, socket: BorrowedFd<'_>) -> std::io::Result<Received> {
         if self.closed {
@@ -325,6 +346,11 @@ impl Receiver {
                 Err(error) => return Err(error.into()),
             }
         };
+        if self.claiming {
+            for fd in &fds {
+                crate::zygote::plumbing::claim(fd.as_raw_fd());
+            }
+        }
         self.fds.extend(fds);
         if read == 0 {
             self.closed = true;
@@ -343,7 +369,15 @@ impl Receiver {
         if self.buffer.len() < 4 + length {
             return Ok(None);
         }
+        let queued = self.fds.len();
         let frame = Frame::decode(&self.buffer[4..4 + length], &mut self.fds);
+        if self.claiming {
+            // Taken into the frame: its owner's now.
+            for fd in frame.iter().filter_map(Frame::fd) {
+                crate::zygote::plumbing::forget(fd);
+            }
+            debug_assert!(self.fds.len() <= queued);
+        }
         // A call's request must not stay behind in the zygote's memory.
         crate::scrub::drain_front(&mut self.buffer, 4 + length);
         frame.map(Some)
@@ -413,6 +447,41 @@ mod tests {
             matches!(&got[4], Frame::Ended { end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs, .. } if logs == "é\n")
         );
         assert!(matches!(got[5], Frame::Done { ticket: 8 }));
+    }
+
+    #[test]
+    fn a_claiming_receiver_claims_an_fd_until_its_frame_is_taken() {
+        let (left, right) = UnixStream::pair().unwrap();
+        let (pipe_read, _pipe_write) = nix::unistd::pipe().unwrap();
+        let frame = Frame::Pipe {
+            ticket: 3,
+            pipe: pipe_read,
+        };
+        let (bytes, fd) = frame.encode();
+        // The fd and the frame's first byte, then the rest later.
+        let fds = [fd.unwrap()];
+        sendmsg::<()>(
+            left.as_raw_fd(),
+            &[IoSlice::new(&bytes[..1])],
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let mut receiver = Receiver::claiming();
+        receiver.receive(std::os::fd::AsFd::as_fd(&right)).unwrap();
+        assert!(receiver.next_frame().unwrap().is_none(), "half a frame");
+        let waiting = receiver.fds[0].as_raw_fd();
+        assert!(
+            crate::zygote::plumbing::is_claimed(waiting),
+            "an fd waiting for its frame is the zygote's: no child forked now keeps it"
+        );
+        nix::sys::socket::send(left.as_raw_fd(), &bytes[1..], MsgFlags::empty()).unwrap();
+        receiver.receive(std::os::fd::AsFd::as_fd(&right)).unwrap();
+        let Some(Frame::Pipe { pipe, .. }) = receiver.next_frame().unwrap() else {
+            panic!("the pipe frame");
+        };
+        assert!(!crate::zygote::plumbing::is_claimed(pipe.as_raw_fd()));
     }
 
     trait Borrowed {

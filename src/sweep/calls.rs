@@ -306,9 +306,18 @@ impl<'a> Calls<'a> {
         for call in &self.running {
             crate::process::kill_group(call.flight.pid, Signal::SIGKILL);
         }
-        // Residents between calls: their pipes closed, their cells killed.
-        for Idle { flight, control } in self.idle.drain(..) {
-            drop(control);
+        // Residents between calls: their pipes closed, so they write out
+        // what they hold and exit; then their cells killed.
+        let flights: Vec<Flight> = self
+            .idle
+            .drain(..)
+            .map(|Idle { flight, control }| {
+                drop(control);
+                flight
+            })
+            .collect();
+        for flight in flights {
+            flight.wait_exit(crate::zygote::resident::RETIRE_WITHIN);
             crate::process::kill_group(flight.pid, Signal::SIGKILL);
             let mut discard = Answer::default();
             if let Ok(landed) = flight.land(&mut discard) {

@@ -251,20 +251,25 @@ pub fn send_assignment(
 }
 
 /// A child waiting for its assignment; exits quietly if none comes (the
-/// zygote closed the pipe: a standby not wanted, a resident retired).
+/// zygote closed the pipe: a standby not wanted).
 pub fn receive(control: RawFd) -> Assignment {
+    match next_assignment(control) {
+        Some(assignment) => assignment,
+        None => exit(0),
+    }
+}
+
+/// The next assignment on `control`; `None` once the zygote closed it (a
+/// resident retired). A garbled one ends the child.
+pub fn next_assignment(control: RawFd) -> Option<Assignment> {
     // SAFETY: the control pipe's read end is this child's alone.
     let mut file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(control) });
     let mut length = [0u8; 8];
-    if file.read_exact(&mut length).is_err() {
-        exit(0);
-    }
+    file.read_exact(&mut length).ok()?;
     let mut bytes = vec![0u8; u64::from_le_bytes(length) as usize];
-    if file.read_exact(&mut bytes).is_err() {
-        exit(0);
-    }
+    file.read_exact(&mut bytes).ok()?;
     match Assignment::decode(&bytes) {
-        Some(assignment) => assignment,
+        Some(assignment) => Some(assignment),
         None => exit(1),
     }
 }

@@ -120,6 +120,27 @@ impl Flight {
         process::has_exited(self.pid)
     }
 
+    /// Waits at most `limit` for the child to exit; whether it did.
+    pub fn wait_exit(&self, limit: std::time::Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.has_exited() {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            let step = PollTimeout::from((left.as_millis().max(1) as u16).min(FALLBACK_POLL_MS));
+            match self.exit_poll() {
+                Some(exit) => {
+                    let _ = poll(&mut [exit], step);
+                }
+                None => std::thread::sleep(std::time::Duration::from_millis(1)),
+            }
+        }
+    }
+
     /// Reads what the child wrote so far and hands over every whole line.
     /// Blocks only if nothing is there yet; call after poll said readable.
     pub fn read(&mut self, out: &mut dyn CallOutput) {

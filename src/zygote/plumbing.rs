@@ -47,6 +47,11 @@ pub fn claim_inherited() {
     }
 }
 
+/// Whether `fd` is claimed now.
+pub fn is_claimed(fd: RawFd) -> bool {
+    OURS.lock().unwrap_or_else(|e| e.into_inner()).contains(&fd)
+}
+
 /// In a freshly forked child: closes every fd the zygote claimed.
 pub fn close_in_child() {
     let ours = OURS.lock().unwrap_or_else(|e| e.into_inner());

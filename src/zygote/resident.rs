@@ -116,11 +116,13 @@ impl Zygote {
         }
     }
 
-    /// Ends a node's resident child, if it has one: its pipe closed, its
-    /// cell killed, reaped later.
+    /// Ends a node's resident child, if it has one: its pipe closed, so it
+    /// writes out what it holds and exits (within the flush's deadline),
+    /// then its cell killed, and it reaped later.
     pub(super) fn retire(&mut self, key: &NodeKey) {
         if let Some(resident) = self.residents.remove(key) {
             drop(resident.control);
+            resident.flight.wait_exit(RETIRE_WITHIN);
             self.children.land_later(resident.flight);
         }
     }
@@ -164,6 +166,7 @@ pub(super) fn serve_in_turn(
         }
     };
     let mut first_call = true;
+    let mut unflushed = Unflushed::default();
     loop {
         if !first_call {
             // The last call's logs went out with its reply; this one's
@@ -176,8 +179,56 @@ pub(super) fn serve_in_turn(
             .and_then(|()| child::invoke(py, &call, &function))
             .map(Some);
         answer(py, &call, outcome);
-        call = child::receive(control.as_raw_fd());
+        unflushed.calls += 1;
+        unflushed.since.get_or_insert_with(std::time::Instant::now);
+        if unflushed.due() || !next_call_within(control.as_raw_fd(), FLUSH_WHEN_IDLE_FOR) {
+            super::finish::between_calls(py);
+            unflushed = Unflushed::default();
+        }
+        call = match child::next_assignment(control.as_raw_fd()) {
+            Some(call) => call,
+            // Retired: what `python3` writes out at exit, then gone.
+            None => {
+                super::finish::at_end(py, super::finish::Ending::Exit);
+                child::exit(0)
+            }
+        };
     }
+}
+
+/// How long a retired resident has to write out what it holds and exit
+/// (the flush's own deadline, and some).
+pub const RETIRE_WITHIN: std::time::Duration = std::time::Duration::from_millis(1200);
+
+/// A resident writes out its files and streams once it has waited this long
+/// for its next call (calls back to back are not held up by it) ...
+const FLUSH_WHEN_IDLE_FOR: std::time::Duration = std::time::Duration::from_millis(1);
+/// ... or, busy, after this many calls ...
+const FLUSH_EVERY_CALLS: u32 = 64;
+/// ... or this long after the first call it has not flushed for.
+const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// What a resident has served since it last flushed.
+#[derive(Default)]
+struct Unflushed {
+    calls: u32,
+    since: Option<std::time::Instant>,
+}
+
+impl Unflushed {
+    fn due(&self) -> bool {
+        self.calls >= FLUSH_EVERY_CALLS || self.since.is_some_and(|s| s.elapsed() >= FLUSH_EVERY)
+    }
+}
+
+/// Whether the next assignment arrives on `control` within `wait`.
+fn next_call_within(control: RawFd, wait: std::time::Duration) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    // SAFETY: the control pipe's read end, open for this child's life.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(control) };
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    let timeout = PollTimeout::try_from(wait.as_millis() as u64).unwrap_or(PollTimeout::ZERO);
+    matches!(poll(&mut fds, timeout), Ok(n) if n > 0)
 }
 
 /// Sends the reply for `outcome`; a `SystemExit` leaves as the interpreter
@@ -194,5 +245,4 @@ fn answer(py: Python<'_>, call: &Assignment, outcome: PyResult<Option<Bound<'_, 
     at_end(py, Ending::Between);
     let reply = child::encode_reply(py, call, outcome);
     let _ = super::channel::send_reply(py, &reply);
-    super::finish::between_calls(py);
 }

@@ -620,7 +620,7 @@ impl Server {
         self.node_zygotes.push(Relay {
             node_zygote,
             last_used: used,
-            receiver: Receiver::default(),
+            receiver: Receiver::claiming(),
             outbox: Vec::new(),
         });
         Ok(pid)
