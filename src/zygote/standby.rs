@@ -61,6 +61,10 @@ pub(super) struct Children {
     spare_logs: Vec<LogBuffer>,
 }
 
+/// Replied children the zygote lets exit in their own time before it waits
+/// for the oldest ([`Children::land_later`]).
+const MAX_LANDING: usize = 16;
+
 impl Children {
     fn fresh_logs(&mut self) -> std::io::Result<LogBuffer> {
         match self.spare_logs.pop() {
@@ -80,6 +84,17 @@ impl Children {
     /// started) is killed now; the child is reaped once it has exited.
     pub(super) fn land_later(&mut self, flight: Flight) {
         self.landing.push(flight.abandon());
+        if self.landing.len() > MAX_LANDING {
+            self.reap_landed();
+            // A replied child exits at a low priority, and its memory is
+            // freed only at the end of it: on a saturated machine, never
+            // more than this many wait (each was killed, so each ends).
+            while self.landing.len() > MAX_LANDING {
+                let oldest = self.landing.remove(0);
+                let _ = process::reap(oldest.pid);
+                self.spare_logs.push(oldest.logs);
+            }
+        }
     }
 
     /// Reaps whatever has exited, without waiting.
