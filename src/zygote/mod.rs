@@ -558,14 +558,8 @@ impl Zygote {
     /// served before), without waiting for it: the caller follows the
     /// flight, lands it, and hands its logs back with [`Zygote::recycle`].
     pub fn start_run(&mut self, py: Python<'_>, request: &Request) -> Result<Flight, SpawnError> {
-        let digest = self
-            .compiled_digest(request)
-            .ok_or(SpawnError::NotCompiled)?;
-        self.dispatch(
-            py,
-            &Assignment::for_request(request, Task::Run, &digest),
-            None,
-        )
+        let assignment = self.compiled_assignment(request, Task::Run)?;
+        self.dispatch(py, &assignment, None)
     }
 
     /// `--isolation node` for `sweep`: forks a resident child for a run of
@@ -576,14 +570,16 @@ impl Zygote {
         py: Python<'_>,
         request: &Request,
     ) -> Result<(Flight, plumbing::Claimed), SpawnError> {
+        let assignment = self.compiled_assignment(request, Task::Resident)?;
+        self.dispatch_resident(py, &assignment, None)
+    }
+
+    /// `task` for `request`, whose node must be compiled here.
+    fn compiled_assignment(&self, request: &Request, task: Task) -> Result<Assignment, SpawnError> {
         let digest = self
             .compiled_digest(request)
             .ok_or(SpawnError::NotCompiled)?;
-        self.dispatch_resident(
-            py,
-            &Assignment::for_request(request, Task::Resident, &digest),
-            None,
-        )
+        Ok(Assignment::for_request(request, task, &digest))
     }
 
     /// Hands a resident child ([`Zygote::start_in_turn`]) its next run.
