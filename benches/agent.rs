@@ -3,7 +3,11 @@
 //! how many events per second reach the engine.
 //!
 //!     cargo bench --bench agent
-//!     cargo bench --bench agent -- --calls 300 --fresh-calls 10 --events 100000
+//!     cargo bench --bench agent -- --calls 300 --fresh-calls 10 --events 100000 --in-flight 8
+//!
+//! The last table: a sweep of trivial calls through the engine, `--in-flight`
+//! at once (`--parallel` that many), calls/s, ours with one zygote forking
+//! the node's calls and with lanes of it (`--lanes`).
 
 mod support;
 
@@ -31,10 +35,11 @@ struct Scenario {
 }
 
 fn main() {
-    let (calls, fresh_calls, events) = (
+    let (calls, fresh_calls, events, in_flight) = (
         flag("--calls", 300),
         flag("--fresh-calls", 10),
         flag("--events", 100_000),
+        flag("--in-flight", 8),
     );
     let python = python();
     let scenarios = [
@@ -57,7 +62,7 @@ fn main() {
     println!("| --- | ---: | ---: | ---: |");
     for scenario in &scenarios {
         let theirs = round_trips(&reference(&python), &scenario.source, fresh_calls);
-        let ours = round_trips(&ours(scenario.preload), &scenario.source, calls);
+        let ours = round_trips(&ours(scenario.preload, Vec::new()), &scenario.source, calls);
         println!(
             "| {} | {:.1} ms | {:.2} ms | {:.0}× |",
             scenario.name,
@@ -68,22 +73,57 @@ fn main() {
     }
     let source = "def process(n):\n    for i in range(n):\n        yield {'i': i}\n    return n\n";
     let theirs = event_rate(&reference(&python), source, events);
-    let ours = event_rate(&ours(""), source, events);
+    let mine = event_rate(&ours("", Vec::new()), source, events);
     println!(
         "| a node yielding {events} small events: events/s reaching the engine | {:.0}/s | {:.0}/s | {:.1}× |",
         theirs,
-        ours,
-        ours / theirs
+        mine,
+        mine / theirs
     );
+
+    let source = "def process(x):\n    return x + 1\n";
+    let parallel = in_flight.to_string();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!();
+    println!(
+        "{in_flight} trivial calls in flight ({cores} CPUs): {} calls for ours, {} for agent.py",
+        calls * 10,
+        fresh_calls * 2
+    );
+    println!();
+    println!("| served by | calls/s |");
+    println!("| --- | ---: |");
+    let laned = |lanes: usize| {
+        let flags = ["--parallel", &parallel, "--lanes", &lanes.to_string()].map(String::from);
+        (
+            format!("ours, --parallel {in_flight} --lanes {lanes}"),
+            ours("", flags.to_vec()),
+            calls * 10,
+        )
+    };
+    let rows: [(String, Start, usize); 3] = [
+        (
+            format!("agent.py --parallel {in_flight}"),
+            reference_with(&python, vec!["--parallel".into(), parallel.clone()]),
+            fresh_calls * 2,
+        ),
+        laned(1),
+        laned(2),
+    ];
+    for (name, start, count) in &rows {
+        let rate = throughput(start, source, *count, in_flight);
+        println!("| {name} | {rate:.0} |");
+    }
 }
 
 /// How to start an agent on the engine's URL.
 type Start = Box<dyn Fn(&str) -> Child>;
 
-fn ours(preload: &'static str) -> Start {
+fn ours(preload: &'static str, flags: Vec<String>) -> Start {
     Box::new(move |url| {
         let mut command = Command::new(ZYGOTE);
         command.args(["agent", "--url", url, "--token", "bench"]);
+        command.args(&flags);
         if !preload.is_empty() {
             command.args(["--preload", preload]);
         }
@@ -98,10 +138,15 @@ fn ours(preload: &'static str) -> Start {
 }
 
 fn reference(python: &std::path::Path) -> Start {
+    reference_with(python, Vec::new())
+}
+
+fn reference_with(python: &std::path::Path, flags: Vec<String>) -> Start {
     let python = python.to_path_buf();
     Box::new(move |url| {
         Command::new(&python)
             .args([AGENT_PY, "--url", url, "--token", "bench"])
+            .args(&flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -158,4 +203,34 @@ fn event_rate(start: &Start, source: &str, events: usize) -> f64 {
     let _ = child.kill();
     let _ = child.wait();
     (events - 1) as f64 / elapsed
+}
+
+/// Calls per second with `in_flight` calls kept in flight, from the first
+/// request sent to the last reply received.
+fn throughput(start: &Start, source: &str, calls: usize, in_flight: usize) -> f64 {
+    let (_engine, mut child, connection) = attach(start, source);
+    let request = |i: usize| json!({"op": "run", "id": i, "call_id": format!("t{i}"), "flow": "b", "node": "n", "source": source, "kwargs": {"x": i}});
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < in_flight.min(calls) {
+        connection.send(&request(sent));
+        sent += 1;
+    }
+    let mut done = 0;
+    while done < calls {
+        let message = connection.recv(WAIT).expect("a reply");
+        if message.get("event").is_some() {
+            continue;
+        }
+        assert_eq!(message["ok"], true, "{message}");
+        done += 1;
+        if sent < calls {
+            connection.send(&request(sent));
+            sent += 1;
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let _ = child.kill();
+    let _ = child.wait();
+    calls as f64 / elapsed
 }

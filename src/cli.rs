@@ -238,6 +238,12 @@ struct AgentArgs {
     #[arg(long, default_value_t = 1, help_heading = "Engine")]
     parallel: u32,
 
+    /// Zygotes forking one node's calls: its own, and lanes forked from it as its calls
+    /// in flight grow (each with the node loaded as there). One zygote feeds the calls
+    /// of about three cores, so many cores need several [default: one per 3 CPUs]
+    #[arg(long, value_name = "N", value_parser = parse_jobs, help_heading = "Zygote")]
+    lanes: Option<usize>,
+
     /// The artifact store [default: beside --url: ws→http, /workers/attach → /artifacts]
     #[arg(
         long,
@@ -306,6 +312,10 @@ struct ZygoteLinkArgs {
     /// The inherited metrics page of the agent (`crate::metrics`)
     #[arg(long)]
     metrics_fd: Option<i32>,
+
+    /// The most zygotes forking one node's calls (the agent's --lanes)
+    #[arg(long, value_name = "N", value_parser = parse_jobs)]
+    lanes: Option<usize>,
 
     #[command(flatten)]
     zygote: ZygoteArgs,
@@ -416,6 +426,7 @@ impl ZygoteArgs {
             },
             max_calls_per_child: self.max_calls_per_child.filter(|&n| n > 0),
             node_zygote_mib: None,
+            node_lanes: None,
             containment: crate::containment::Options {
                 memory_limit_mib: self.call_memory_limit.filter(|&mib| mib > 0),
             },
@@ -618,7 +629,10 @@ pub fn main() -> ExitCode {
                 .filter(|l| !l.is_empty())
                 .map(str::to_string)
                 .collect(),
-            zygote: args.zygote.options(),
+            zygote: ZygoteOptions {
+                node_lanes: args.lanes,
+                ..args.zygote.options()
+            },
             parallel: args.parallel,
             artifact_url: args.artifact_url,
             service_host: args.service_host,
@@ -630,15 +644,19 @@ pub fn main() -> ExitCode {
             ca_cert: args.ca_cert,
             metrics: args.zygote.metrics.clone(),
         }),
-        Command::Zygote(args) => match (&args.listen, args.link_fd) {
-            (Some(path), _) => crate::zygote::server::listen(
-                &args.zygote.options(),
-                path,
-                crate::slot::report_status,
-            ),
-            (None, Some(fd)) => crate::zygote::server::run(&args.zygote.options(), fd),
-            (None, None) => ExitCode::from(2),
-        },
+        Command::Zygote(args) => {
+            let options = ZygoteOptions {
+                node_lanes: args.lanes,
+                ..args.zygote.options()
+            };
+            match (&args.listen, args.link_fd) {
+                (Some(path), _) => {
+                    crate::zygote::server::listen(&options, path, crate::slot::report_status)
+                }
+                (None, Some(fd)) => crate::zygote::server::run(&options, fd),
+                (None, None) => ExitCode::from(2),
+            }
+        }
         Command::Warden { cgroups } => crate::containment::warden::main(&cgroups),
         Command::MetricsServer => crate::metrics::server_main(),
         Command::Sweep(args) => sweep::run(&SweepOptions {

@@ -184,6 +184,21 @@ pub fn kill_group(leader: Pid, signal: Signal) {
     let _ = nix::sys::signal::kill(leader, signal);
 }
 
+/// SIGKILL through a pidfd: it names exactly its process, never one that
+/// took a reused pid. Gone already is fine.
+pub fn pidfd_kill(pidfd: BorrowedFd<'_>) {
+    // SAFETY: pidfd_send_signal on a live fd; no pointers but a null siginfo.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        );
+    }
+}
+
 /// Readable once a child has exited: a pidfd, where the kernel has them.
 pub struct ExitWatch {
     /// Claimed: a call's child must never hold another call's pidfd, which

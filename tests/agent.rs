@@ -973,3 +973,264 @@ fn a_long_compile_holds_up_no_other_nodes_calls() {
     );
     assert_eq!(reply["result"], "slow", "{reply}");
 }
+
+/// A node whose module level leaves a mark (a line in `marks`) and whose
+/// calls say who forked them, then wait for `gate`.
+fn laned_source(marks: &std::path::Path, gate: &std::path::Path) -> String {
+    format!(
+        "import fluksio, os, time\nwith open({marks:?}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\ndef process(i):\n    fluksio.emit(pids=[os.getpid(), os.getppid()])\n    for _ in range(6000):\n        if os.path.exists({gate:?}):\n            break\n        time.sleep(0.01)\n    return os.getppid()\n"
+    )
+}
+
+/// A call of node `wide` that has said who forked it: `(call_id, [pid, parent])`.
+type Started = (String, Vec<i32>);
+
+/// Sends calls `ids` of node `wide` and waits for each to say who forked
+/// it, in the order they said it.
+fn start_wide(
+    connection: &common::engine::Connection,
+    source: &str,
+    ids: std::ops::Range<usize>,
+) -> Vec<Started> {
+    let count = ids.len();
+    for i in ids {
+        let mut request = run(&format!("w{i}"), source, json!({"i": i}));
+        request["node"] = json!("wide");
+        connection.send(&request);
+    }
+    let mut started = Vec::new();
+    while started.len() < count {
+        let message = connection.recv(WAIT).expect("a call starts");
+        if message["event"] == "emit" {
+            started.push((
+                message["call_id"].as_str().unwrap().to_string(),
+                pids(&message),
+            ));
+        }
+    }
+    started
+}
+
+/// The replies to `calls`, in whatever order they come: `call_id → reply`.
+fn replies_to<'a>(
+    connection: &common::engine::Connection,
+    calls: impl IntoIterator<Item = &'a Started>,
+) -> std::collections::HashMap<String, Value> {
+    let mut waiting: std::collections::HashSet<String> =
+        calls.into_iter().map(|(id, _)| id.clone()).collect();
+    let mut replies = std::collections::HashMap::new();
+    while !waiting.is_empty() {
+        let message = connection
+            .recv(WAIT)
+            .unwrap_or_else(|| panic!("no reply to {waiting:?}"));
+        let call_id = message["call_id"].as_str().unwrap_or_default().to_string();
+        if message.get("event").is_none() && waiting.remove(&call_id) {
+            replies.insert(call_id, message);
+        }
+    }
+    replies
+}
+
+/// An agent (`--parallel 8 --lanes 2`) whose node `wide` has a lane: four
+/// calls held in the node's zygote (three in flight keep its fork loop
+/// busy: the fourth asks for a lane), then three more, sent once the lane
+/// is there, which the lane forks while the zygote is busy.
+struct Laned {
+    _engine: Engine,
+    agent: Agent,
+    connection: common::engine::Connection,
+    source: String,
+    marks: std::path::PathBuf,
+    gate: std::path::PathBuf,
+    first: Vec<Started>,
+    second: Vec<Started>,
+    node_zygote: i32,
+    /// The parents of the second calls that are not the node's zygote.
+    lanes: std::collections::BTreeSet<i32>,
+}
+
+fn with_a_lane(name: &str) -> Laned {
+    let engine = Engine::start(Answer::Welcome);
+    let agent = Agent::start(&engine.url, &["--parallel", "8", "--lanes", "2"], &[]);
+    let connection = engine.next_connection(WAIT);
+    let dir = common::scratch(name);
+    let (marks, gate) = (dir.join("marks"), dir.join("gate"));
+    let source = laned_source(&marks, &gate);
+    let first = start_wide(&connection, &source, 0..4);
+    let node_zygote = first[0].1[1];
+    assert!(first.iter().all(|(_, p)| p[1] == node_zygote), "{first:?}");
+    common::agent::wait_for_a_lane(node_zygote);
+    // (And for the zygote to have taken the lane's link.)
+    std::thread::sleep(Duration::from_millis(200));
+    let second = start_wide(&connection, &source, 4..7);
+    let lanes = second
+        .iter()
+        .map(|(_, p)| p[1])
+        .filter(|&parent| parent != node_zygote)
+        .collect();
+    Laned {
+        _engine: engine,
+        agent,
+        connection,
+        source,
+        marks,
+        gate,
+        first,
+        second,
+        node_zygote,
+        lanes,
+    }
+}
+
+impl Laned {
+    fn lane(&self) -> i32 {
+        *self
+            .lanes
+            .first()
+            .unwrap_or_else(|| panic!("a call forked by a lane: {:?}", self.second))
+    }
+
+    /// One more call of the node, once the gate is open: its reply.
+    fn call_after(&self) -> Value {
+        let mut request = run("after", &self.source, json!({"i": 99}));
+        request["node"] = json!("wide");
+        self.connection.reply_to(&request, WAIT).1
+    }
+}
+
+#[test]
+fn a_nodes_calls_fork_from_lanes_of_its_zygote_as_its_calls_in_flight_grow() {
+    let laned = with_a_lane("agent-lanes");
+    let Laned {
+        connection,
+        node_zygote,
+        ..
+    } = &laned;
+    assert_eq!(
+        laned.lanes.len(),
+        1,
+        "one lane, as --lanes 2 allows: {:?}",
+        laned.second
+    );
+    let lane = laned.lane();
+    assert_eq!(
+        common::parent_of(lane),
+        *node_zygote,
+        "a lane is a fork of the node's zygote"
+    );
+    let zygote = common::parent_of(*node_zygote);
+    assert_eq!(common::parent_of(zygote), laned.agent.child.id() as i32);
+    assert_eq!(
+        std::fs::read_to_string(&laned.marks)
+            .unwrap()
+            .lines()
+            .count(),
+        2,
+        "the node's module level ran in its trial and in its zygote, not again in the lane"
+    );
+    std::fs::write(&laned.gate, "").unwrap();
+    let held: Vec<&Started> = laned.first.iter().chain(&laned.second).collect();
+    let replies = replies_to(connection, held.iter().copied());
+    for (call_id, pids) in &held {
+        let reply = &replies[call_id];
+        assert_eq!(reply["ok"], true, "{reply}");
+        assert_eq!(reply["result"], pids[1], "{reply}");
+    }
+    // No more lanes than allowed, however many calls come.
+    std::fs::remove_file(&laned.gate).unwrap();
+    let third = start_wide(connection, &laned.source, 7..15);
+    std::fs::write(&laned.gate, "").unwrap();
+    assert!(
+        third
+            .iter()
+            .all(|(_, p)| p[1] == *node_zygote || p[1] == lane),
+        "{third:?}"
+    );
+    for reply in replies_to(connection, &third).values() {
+        assert_eq!(reply["ok"], true, "{reply}");
+    }
+    let calls: Vec<i32> = held
+        .iter()
+        .copied()
+        .chain(&third)
+        .map(|(_, p)| p[0])
+        .collect();
+    let node_zygote = *node_zygote;
+    drop(laned);
+    all_gone(&calls);
+    all_gone(&[lane, node_zygote, zygote]);
+}
+
+#[test]
+fn a_killed_lane_ends_its_own_calls_and_the_node_goes_on() {
+    let laned = with_a_lane("agent-lane-killed");
+    let lane = laned.lane();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(lane),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let (in_lane, own): (Vec<&Started>, Vec<&Started>) =
+        laned.second.iter().partition(|(_, p)| p[1] == lane);
+    let replies = replies_to(&laned.connection, in_lane.iter().copied());
+    for (call_id, pids) in in_lane {
+        let reply = &replies[call_id];
+        assert_eq!(reply["ok"], false, "{reply}");
+        let message = reply["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(&lane.to_string()),
+            "the failure names the lane that ended: {reply}"
+        );
+        assert!(
+            common::wait_gone(pids[0], Duration::from_secs(15)),
+            "a killed lane's call {} outlived it",
+            pids[0]
+        );
+    }
+    // The node zygote's own calls were not touched, and answer.
+    assert!(laned.first.iter().all(|(_, p)| !common::is_gone(p[0])));
+    std::fs::write(&laned.gate, "").unwrap();
+    let replies = replies_to(&laned.connection, laned.first.iter().chain(own));
+    for reply in replies.values() {
+        assert_eq!(reply["ok"], true, "{reply}");
+    }
+    // The node goes on: its next call is served.
+    let reply = laned.call_after();
+    assert_eq!(reply["ok"], true, "{reply}");
+    let node_zygote = laned.node_zygote;
+    drop(laned);
+    all_gone(&[node_zygote]);
+}
+
+#[test]
+fn a_killed_node_zygote_takes_its_lanes_and_their_calls_and_the_node_goes_on() {
+    let laned = with_a_lane("agent-lane-parent-killed");
+    let lane = laned.lane();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(laned.node_zygote),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let all: Vec<&Started> = laned.first.iter().chain(&laned.second).collect();
+    let replies = replies_to(&laned.connection, all.iter().copied());
+    for (call_id, pids) in &all {
+        let reply = &replies[call_id];
+        assert_eq!(reply["ok"], false, "{reply}");
+        assert!(
+            common::wait_gone(pids[0], Duration::from_secs(15)),
+            "call {} outlived the zygote that forked it",
+            pids[0]
+        );
+    }
+    assert!(
+        common::wait_gone(lane, Duration::from_secs(15)),
+        "the lane {lane} outlived its node zygote"
+    );
+    std::fs::write(&laned.gate, "").unwrap();
+    let reply = laned.call_after();
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert_ne!(
+        reply["result"], laned.node_zygote,
+        "a new node zygote serves it"
+    );
+}

@@ -10,6 +10,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::agent::{Agent, WAIT};
 use common::engine::{Answer, Engine};
 use common::{Worker, run};
@@ -180,6 +182,51 @@ fn through_the_agent_one_call_cannot_kill_or_forge_another_in_flight() {
     let (_, victim_reply) = connection.reply("victim", WAIT);
     assert_reached_nothing(&attacked["result"]);
     assert_victim_untouched(&victim_reply);
+}
+
+#[test]
+fn through_the_agent_a_call_in_a_lane_cannot_kill_or_forge_one_of_its_node_zygote() {
+    let dir = common::scratch("attack-agent-lanes");
+    let release = dir.join("release");
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &["--parallel", "8", "--lanes", "2"], &[]);
+    let connection = engine.next_connection(WAIT);
+    // One node: the victim and two holders keep its zygote's fork loop
+    // busy (three in flight), a third holder asks for a lane, and the
+    // attacker, sent after, is forked by the lane.
+    let source = format!(
+        "{}\n{ATTACKER}\nimport fluksio, os, time\ndef process(role):\n    if role == 'victim':\n        return victim()\n    if role == 'attacker':\n        return {{'found': attack(), 'parent': os.getppid()}}\n    fluksio.emit(ready=True, parent=os.getppid())\n    while not os.path.exists({:?}):\n        time.sleep(0.01)\n    return os.getppid()\n",
+        victim(&release),
+        release.display().to_string()
+    );
+    let call = |call_id: &str, role: &str| json!({"op": "run", "id": call_id, "call_id": call_id, "flow": "f", "node": "shared", "source": source, "kwargs": {"role": role}});
+    connection.send(&call("victim", "victim"));
+    connection.until(WAIT, |m| m["event"] == "emit");
+    let mut node_zygote = 0;
+    for holder in ["h1", "h2", "h3"] {
+        connection.send(&call(holder, "holder"));
+        let started = connection.until(WAIT, |m| m["event"] == "emit");
+        node_zygote = started.last().unwrap()["outputs"]["parent"]
+            .as_i64()
+            .unwrap();
+    }
+    common::agent::wait_for_a_lane(node_zygote as i32);
+    std::thread::sleep(Duration::from_millis(200));
+    let (_, attacked) = connection.reply_to(&call("attacker", "attacker"), WAIT);
+    std::fs::write(&release, "").unwrap();
+    let mut replies = std::collections::HashMap::new();
+    while replies.len() < 4 {
+        let message = connection.recv(WAIT).expect("the held calls' replies");
+        if message.get("event").is_none() {
+            replies.insert(message["call_id"].as_str().unwrap().to_string(), message);
+        }
+    }
+    assert_ne!(
+        attacked["result"]["parent"], node_zygote,
+        "the attacker was forked by the lane: {attacked}"
+    );
+    assert_reached_nothing(&attacked["result"]["found"]);
+    assert_victim_untouched(&replies["victim"]);
 }
 
 #[test]

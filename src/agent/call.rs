@@ -41,16 +41,7 @@ impl Running {
     /// SIGKILL to the call's child, not as a cancel (its reply says why).
     fn kill_child(&self) {
         if let Some(pidfd) = &self.pidfd {
-            // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but a null siginfo.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    pidfd.as_raw_fd(),
-                    libc::SIGKILL,
-                    std::ptr::null::<libc::siginfo_t>(),
-                    0,
-                )
-            };
+            crate::process::pidfd_kill(std::os::fd::AsFd::as_fd(pidfd));
         }
     }
 }

@@ -282,6 +282,7 @@ async fn serve(
             preload: options.zygote.preload.clone(),
             memory_limit_mib: options.zygote.containment.memory_limit_mib,
             standby: options.zygote.standby,
+            lanes: options.zygote.node_lanes,
             env: node_env
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))

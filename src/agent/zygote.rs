@@ -27,6 +27,8 @@ pub struct Launch {
     pub memory_limit_mib: Option<u64>,
     /// Children the zygote forks ahead of their calls.
     pub standby: usize,
+    /// The most zygotes forking one node's calls (`--lanes`).
+    pub lanes: Option<usize>,
     /// Node code's environment (the host's, credentials taken out).
     pub env: Vec<(String, String)>,
     /// The worker's token, for the artifact store; the zygote takes it out
@@ -70,6 +72,9 @@ impl Zygote {
             command.arg("--preload").arg(launch.preload.join(","));
         }
         command.arg("--standby").arg(launch.standby.to_string());
+        if let Some(lanes) = launch.lanes {
+            command.arg("--lanes").arg(lanes.to_string());
+        }
         // The agent's own limit, for the lines the zygote reads (compiles).
         command
             .arg("--max-reply-mb")

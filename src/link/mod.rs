@@ -56,6 +56,12 @@ pub enum Frame {
     /// The process serving the call is gone, with the call's child, and
     /// nothing more comes: the call's reply is a failure saying why.
     Lost { ticket: u64, message: String },
+    /// Zygote → a node's own zygote: its calls keep its fork loop busy;
+    /// fork a lane of itself (`zygote::server`).
+    ForkLane,
+    /// A node's own zygote → the zygote: the lane it forked, and the lane's
+    /// end of a link to be served over.
+    Lane { pid: i32, link: OwnedFd },
 }
 
 const CALL: u8 = 1;
@@ -68,6 +74,8 @@ const ENDED: u8 = 7;
 const DONE: u8 = 8;
 const ABANDON: u8 = 9;
 const LOST: u8 = 10;
+const FORK_LANE: u8 = 11;
+const LANE: u8 = 12;
 
 /// An `Ended` code at or below `-OVER_MEMORY_LIMIT` is a memory-limit kill.
 const OVER_MEMORY_LIMIT: i32 = 1000;
@@ -84,7 +92,7 @@ impl Frame {
             | Frame::Done { ticket }
             | Frame::Abandon { ticket }
             | Frame::Lost { ticket, .. } => Some(*ticket),
-            Frame::Ready | Frame::Failed { .. } => None,
+            Frame::Ready | Frame::Failed { .. } | Frame::ForkLane | Frame::Lane { .. } => None,
         }
     }
 
@@ -93,6 +101,7 @@ impl Frame {
         match self {
             Frame::Started { pidfd, .. } => Some(pidfd.as_raw_fd()),
             Frame::Pipe { pipe, .. } => Some(pipe.as_raw_fd()),
+            Frame::Lane { link, .. } => Some(link.as_raw_fd()),
             _ => None,
         }
     }
@@ -158,6 +167,10 @@ impl Frame {
             Frame::Done { ticket } => (DONE, *ticket, Vec::new(), None),
             Frame::Abandon { ticket } => (ABANDON, *ticket, Vec::new(), None),
             Frame::Lost { ticket, message } => (LOST, *ticket, message.as_bytes().to_vec(), None),
+            Frame::ForkLane => (FORK_LANE, 0, Vec::new(), None),
+            Frame::Lane { pid, link } => {
+                (LANE, 0, pid.to_le_bytes().to_vec(), Some(link.as_raw_fd()))
+            }
         };
         let mut bytes = Vec::with_capacity(13 + payload.len());
         bytes.extend_from_slice(&((9 + payload.len()) as u32).to_le_bytes());
@@ -229,6 +242,11 @@ impl Frame {
             LOST => Frame::Lost {
                 ticket,
                 message: String::from_utf8_lossy(payload).into_owned(),
+            },
+            FORK_LANE => Frame::ForkLane,
+            LANE => Frame::Lane {
+                pid: number(payload)?,
+                link: fd(fds)?,
             },
             other => return Err(format!("an unknown frame kind {other}")),
         })
@@ -394,6 +412,7 @@ mod tests {
         let (left, right) = UnixStream::pair().unwrap();
         let (pipe_read, _pipe_write) = nix::unistd::pipe().unwrap();
         let (other_read, _other_write) = nix::unistd::pipe().unwrap();
+        let (lane_link, _lane_other) = UnixStream::pair().unwrap();
         let frames = [
             Frame::Ready,
             Frame::Pipe {
@@ -415,6 +434,11 @@ mod tests {
                 logs: "é\n".into(),
             },
             Frame::Done { ticket: 8 },
+            Frame::ForkLane,
+            Frame::Lane {
+                pid: 4321,
+                link: lane_link.into(),
+            },
         ];
         let sender = std::thread::spawn(move || {
             for frame in &frames {
@@ -423,7 +447,7 @@ mod tests {
         });
         let mut receiver = Receiver::default();
         let mut got = Vec::new();
-        while got.len() < 6 {
+        while got.len() < 8 {
             match receiver.next_frame().unwrap() {
                 Some(frame) => got.push(frame),
                 None => {
@@ -447,6 +471,8 @@ mod tests {
             matches!(&got[4], Frame::Ended { end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs, .. } if logs == "é\n")
         );
         assert!(matches!(got[5], Frame::Done { ticket: 8 }));
+        assert!(matches!(got[6], Frame::ForkLane));
+        assert!(matches!(got[7], Frame::Lane { pid: 4321, .. }));
     }
 
     #[test]

@@ -36,30 +36,17 @@ use crate::zygote::plumbing::Claimed;
 /// and polling is seen within this.
 const WAKE_MS: u16 = 200;
 
-/// Cores one lane keeps busy. Measured on a trivial call: its zygote spends
-/// ~1.2 ms of CPU on it (the fork, following, reaping), its child ~2.9 ms
-/// (CPython waking up after the fork, the call, the exit), so one zygote
-/// feeds the children of about three cores. Fewer cores per lane only adds
-/// each lane's own overhead (on 2 cores, 2 lanes did ~20% fewer calls/s
-/// than 1).
-const CORES_PER_LANE: usize = 3;
-
 /// How many lanes, and calls in flight in each, for `jobs` calls in
-/// flight: `lanes` if given, else one per [`CORES_PER_LANE`] cores; at
+/// flight: `lanes` if given, else one per [`app::CORES_PER_LANE`] cores; at
 /// most one per call.
 pub fn shape(jobs: usize, lanes: Option<usize>) -> (usize, usize) {
     let lanes = lanes
         .unwrap_or_else(|| {
-            default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
+            app::default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
         })
         .min(jobs)
         .max(1);
     (lanes, jobs.div_ceil(lanes))
-}
-
-/// The lanes a machine of `cores` gets by default.
-pub fn default_lanes(cores: usize) -> usize {
-    (cores / CORES_PER_LANE).max(1)
 }
 
 /// The sweep's side of one lane.

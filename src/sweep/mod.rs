@@ -20,7 +20,7 @@ pub mod calls;
 pub mod grid;
 pub mod kwargs;
 mod lanes;
-pub use lanes::default_lanes;
+pub use crate::zygote::app::default_lanes;
 mod report;
 pub mod run;
 mod signals;

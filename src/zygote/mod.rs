@@ -65,6 +65,10 @@ pub struct ZygoteOptions {
     /// A node whose module level leaves this many MiB or more gets a zygote
     /// of its own (`app`), rather than growing this one (`worker` only).
     pub node_zygote_mib: Option<u64>,
+    /// The most fork loops (a node's zygote and its lanes) one node's calls
+    /// get, where nodes have zygotes of their own (the agent's zygote, a
+    /// shared one) [default: one per `app::CORES_PER_LANE` CPUs].
+    pub node_lanes: Option<usize>,
 }
 
 /// Why a zygote did not start. Each is printed as is, and exits 2.

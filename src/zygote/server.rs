@@ -107,6 +107,9 @@ fn serve_links(
             }
         };
         let mut server = Server::new(listener, contract, Placement::NodeZygotes);
+        server.lanes_per_node = options.node_lanes.unwrap_or_else(|| {
+            app::default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        });
         if let Some(socket) = first
             && !server.open(socket)
         {
@@ -123,15 +126,17 @@ fn serve_links(
     })
 }
 
-/// A node's own zygote serving the link to the zygote that forked it, until
-/// it closes; the exit code.
+/// A node's own zygote (or a lane of one) serving the link to the zygote
+/// that forked it, until it closes; the exit code.
 pub(super) fn serve_link(
     py: Python<'_>,
     zygote: &mut Zygote,
     link: Claimed,
     contract: Contract,
+    key: &NodeKey,
 ) -> i32 {
     let mut server = Server::new(None, contract, Placement::Here);
+    server.node = Some(key.clone());
     if !server.open(link) {
         return 0;
     }
@@ -176,6 +181,12 @@ struct Server {
     node_zygotes: Vec<Relay>,
     routes: HashMap<u64, Route>,
     next_route: u64,
+    /// The most fork loops (a node zygote and its lanes) one node gets.
+    lanes_per_node: usize,
+    /// In a node's own zygote: its node, and the lanes it forked (its
+    /// children, reaped here).
+    node: Option<NodeKey>,
+    lanes: Vec<(Pid, ExitWatch)>,
 }
 
 /// The most node zygotes kept: past it, the least recently used one with
@@ -183,9 +194,18 @@ struct Server {
 /// its node's module-level objects and its standby children).
 const MAX_NODE_ZYGOTES: usize = 16;
 
-/// A node's own zygote, as its parent relays to it.
+/// A node's zygote asks for a lane once each of its node's fork loops has
+/// this many calls in flight: one loop keeps about this many cores busy
+/// with trivial calls ([`app::CORES_PER_LANE`]).
+const LANE_AT_IN_FLIGHT: usize = app::CORES_PER_LANE;
+
+/// A node's own zygote, or a lane of it, as the zygote relays to it.
 struct Relay {
     node_zygote: NodeZygote,
+    /// A lane: forked by the node's zygote, not by this process.
+    lane: bool,
+    /// A lane was asked of it and has not come yet.
+    lane_asked: bool,
     /// When its node was last asked for (a count of relayed requests).
     last_used: u64,
     receiver: Receiver,
@@ -214,6 +234,9 @@ impl Server {
             node_zygotes: Vec::new(),
             routes: HashMap::new(),
             next_route: 0,
+            lanes_per_node: 1,
+            node: None,
+            lanes: Vec::new(),
         }
     }
 
@@ -290,6 +313,9 @@ impl Server {
             for pid in ready.ended {
                 self.node_zygote_ended(pid);
             }
+            for pid in ready.lanes_ended {
+                self.lane_ended(pid);
+            }
             if ready.accept {
                 self.accept();
             }
@@ -353,6 +379,11 @@ impl Server {
                     }
                 }
                 Ok(Some(Frame::Abandon { ticket })) => self.abandon(zygote, id, ticket),
+                Ok(Some(Frame::ForkLane)) => {
+                    if self.fork_lane(py, zygote, id) {
+                        return true;
+                    }
+                }
                 Ok(Some(other)) => {
                     tracing::warn!("the zygote ignores an unexpected frame: {other:?}")
                 }
@@ -402,9 +433,16 @@ impl Server {
                 )),
             }
         }
+        let first_lane = fds.len();
+        let mut watched_all = true;
+        for (_, exit) in &self.lanes {
+            match exit.fd() {
+                Some(fd) => fds.push(PollFd::new(fd, PollFlags::POLLIN)),
+                None => watched_all = false,
+            }
+        }
         let first_run = fds.len();
         let mut owners = Vec::new();
-        let mut watched_all = true;
         for (index, run) in self.runs.iter().enumerate() {
             match run.flight.exit_poll() {
                 Some(fd) => {
@@ -443,7 +481,7 @@ impl Server {
         for (relay, pair) in self
             .node_zygotes
             .iter()
-            .zip(fds[first_relay..first_run].chunks(2))
+            .zip(fds[first_relay..first_lane].chunks(2))
         {
             let pid = relay.node_zygote.pid;
             if has(
@@ -459,6 +497,16 @@ impl Server {
                 ended.push(pid);
             }
         }
+        let mut watched = fds[first_lane..first_run].iter();
+        let lanes_ended = self
+            .lanes
+            .iter()
+            .filter(|(pid, exit)| match exit.fd() {
+                Some(_) => watched.next().is_some_and(is_ready),
+                None => crate::process::has_exited(*pid),
+            })
+            .map(|(pid, _)| *pid)
+            .collect();
         let mut exited: Vec<usize> = owners
             .iter()
             .zip(&fds[first_run..])
@@ -479,6 +527,7 @@ impl Server {
             relayed,
             writable,
             ended,
+            lanes_ended,
         })
     }
 
@@ -595,8 +644,10 @@ impl Server {
         );
     }
 
-    /// The node zygote of `key`, forked now if it has none; `used` marks it
-    /// as the most recently used.
+    /// The fork loop of `key` with the fewest calls in flight: its node
+    /// zygote, forked now if it has none, or one of its lanes. `used` marks
+    /// it as the most recently used. Where every loop of the node is busy
+    /// and it may have more, its node zygote is asked for a lane.
     fn node_zygote_for(
         &mut self,
         py: Python<'_>,
@@ -604,13 +655,25 @@ impl Server {
         key: &NodeKey,
         used: u64,
     ) -> std::io::Result<Pid> {
-        if let Some(relay) = self
-            .node_zygotes
-            .iter_mut()
-            .find(|r| r.node_zygote.key == *key)
-        {
-            relay.last_used = used;
-            return Ok(relay.node_zygote.pid);
+        let mut loops = 0;
+        let mut least: Option<(usize, usize)> = None;
+        for (index, relay) in self.node_zygotes.iter().enumerate() {
+            if relay.node_zygote.key != *key {
+                continue;
+            }
+            loops += 1;
+            let in_flight = self.in_flight(relay.node_zygote.pid);
+            if least.is_none_or(|(_, fewest)| in_flight < fewest) {
+                least = Some((index, in_flight));
+            }
+        }
+        if let Some((index, in_flight)) = least {
+            self.node_zygotes[index].last_used = used;
+            let pid = self.node_zygotes[index].node_zygote.pid;
+            if in_flight >= LANE_AT_IN_FLIGHT && loops < self.lanes_per_node {
+                self.ask_for_lane(key);
+            }
+            return Ok(pid);
         }
         self.retire_one();
         let node_zygote = app::spawn(py, zygote, key, self.contract, None)?;
@@ -619,6 +682,8 @@ impl Server {
         tracing::debug!(node = %key, pid = pid.as_raw(), "forked the node's own zygote");
         self.node_zygotes.push(Relay {
             node_zygote,
+            lane: false,
+            lane_asked: false,
             last_used: used,
             receiver: Receiver::claiming(),
             outbox: Vec::new(),
@@ -626,30 +691,146 @@ impl Server {
         Ok(pid)
     }
 
-    /// Makes room for one more node zygote: past [`MAX_NODE_ZYGOTES`], ends
-    /// the least recently used one with no call in flight.
-    fn retire_one(&mut self) {
-        if self.node_zygotes.len() < MAX_NODE_ZYGOTES {
-            return;
-        }
-        let busy: std::collections::HashSet<Pid> = self
-            .routes
+    /// Calls relayed to node zygote (or lane) `pid` and not yet ended.
+    fn in_flight(&self, pid: Pid) -> usize {
+        self.routes
             .values()
-            .map(|route| route.node_zygote)
-            .collect();
-        let Some(index) = self
+            .filter(|route| route.node_zygote == pid)
+            .count()
+    }
+
+    /// Asks `key`'s node zygote for a lane, unless one is on its way: a
+    /// fork of itself, the node loaded as there, forking its own share of
+    /// the node's calls on another core.
+    fn ask_for_lane(&mut self, key: &NodeKey) {
+        let Some(relay) = self
             .node_zygotes
-            .iter()
-            .enumerate()
-            .filter(|(_, relay)| !busy.contains(&relay.node_zygote.pid))
-            .min_by_key(|(_, relay)| relay.last_used)
-            .map(|(index, _)| index)
+            .iter_mut()
+            .find(|r| r.node_zygote.key == *key && !r.lane)
         else {
             return;
         };
-        let relay = self.node_zygotes.swap_remove(index);
-        tracing::debug!(node = %relay.node_zygote.key, "ended the least recently used node zygote");
-        relay.node_zygote.end();
+        if relay.lane_asked {
+            return;
+        }
+        relay.lane_asked = true;
+        let pid = relay.node_zygote.pid;
+        tracing::debug!(node = %key, "asked the node's zygote for a lane");
+        self.post(pid, &Frame::ForkLane);
+    }
+
+    /// The lane node zygote `index` forked: relayed to like it from now on.
+    fn add_lane(&mut self, index: usize, pid: i32, link: OwnedFd) {
+        let parent = &mut self.node_zygotes[index];
+        parent.lane_asked = false;
+        let key = parent.node_zygote.key.clone();
+        let last_used = parent.last_used;
+        let pid = Pid::from_raw(pid);
+        let link = Claimed::new(link);
+        set_nonblocking(link.as_raw_fd());
+        tracing::debug!(node = %key, pid = pid.as_raw(), "the node has a new lane");
+        self.node_zygotes.push(Relay {
+            node_zygote: NodeZygote {
+                key,
+                pid,
+                link,
+                // Its parent reaps it; a lane that ended is seen here by its
+                // pidfd, or by its link closing.
+                exit: ExitWatch::new(pid),
+            },
+            lane: true,
+            lane_asked: false,
+            last_used,
+            receiver: Receiver::claiming(),
+            outbox: Vec::new(),
+        });
+    }
+
+    /// In a node zygote: forks a lane of itself and hands the zygote on
+    /// link `id` its end of the lane's link. True when the zygote must
+    /// restart (forking was not safe).
+    fn fork_lane(&mut self, py: Python<'_>, zygote: &mut Zygote, id: u64) -> bool {
+        let Some(key) = self.node.clone() else {
+            return false;
+        };
+        let contract = self.contract;
+        let forked = app::fork_own(py, zygote, &key, |py, zygote, link| {
+            serve_link(py, zygote, link, contract, &key)
+        });
+        let Some(socket) = self.socket_of(id) else {
+            if let Ok(lane) = forked {
+                lane.end();
+            }
+            return zygote.needs_recovery();
+        };
+        match forked {
+            Ok(lane) => {
+                let NodeZygote {
+                    pid, link, exit, ..
+                } = lane;
+                send(
+                    socket,
+                    Frame::Lane {
+                        pid: pid.as_raw(),
+                        link: link.release(),
+                    },
+                );
+                self.lanes.push((pid, exit));
+            }
+            Err(error) => {
+                tracing::warn!(node = %key, "could not fork a lane: {error}");
+                send(
+                    socket,
+                    Frame::Failed {
+                        message: format!("could not fork a lane of node {key}: {error}"),
+                    },
+                );
+            }
+        }
+        zygote.needs_recovery()
+    }
+
+    /// In a node zygote: a lane it forked has ended; it is reaped, and what
+    /// its calls left is ended.
+    fn lane_ended(&mut self, pid: Pid) {
+        self.lanes.retain(|(lane, _)| *lane != pid);
+        let _ = crate::process::reap(pid);
+        crate::containment::end_node_zygote(pid.as_raw());
+    }
+
+    /// Makes room for one more node zygote: past [`MAX_NODE_ZYGOTES`], ends
+    /// the least recently used node's zygote and lanes, none of them with
+    /// a call in flight.
+    fn retire_one(&mut self) {
+        let nodes = self.node_zygotes.iter().filter(|r| !r.lane).count();
+        if nodes < MAX_NODE_ZYGOTES {
+            return;
+        }
+        let busy: std::collections::HashSet<&NodeKey> = self
+            .node_zygotes
+            .iter()
+            .filter(|relay| self.in_flight(relay.node_zygote.pid) > 0)
+            .map(|relay| &relay.node_zygote.key)
+            .collect();
+        let mut last_used: HashMap<&NodeKey, u64> = HashMap::new();
+        for relay in &self.node_zygotes {
+            let used = last_used.entry(&relay.node_zygote.key).or_default();
+            *used = (*used).max(relay.last_used);
+        }
+        let Some(key) = last_used
+            .into_iter()
+            .filter(|(key, _)| !busy.contains(key))
+            .min_by_key(|(_, used)| *used)
+            .map(|(key, _)| key.clone())
+        else {
+            return;
+        };
+        tracing::debug!(node = %key, "ended the least recently used node zygote");
+        let (retired, kept) = std::mem::take(&mut self.node_zygotes)
+            .into_iter()
+            .partition(|relay| relay.node_zygote.key == key);
+        self.node_zygotes = kept;
+        end_all(retired);
     }
 
     /// Where node zygote `pid` is in `node_zygotes`.
@@ -722,8 +903,12 @@ impl Server {
                 }
             };
             let Some(relayed) = frame.ticket() else {
-                if let Frame::Failed { message } = frame {
-                    tracing::error!("a node's zygote failed: {message}");
+                match frame {
+                    Frame::Lane { pid, link } => self.add_lane(index, pid, link),
+                    Frame::Failed { message } => {
+                        tracing::error!("a node's zygote failed: {message}")
+                    }
+                    _ => {}
                 }
                 continue;
             };
@@ -750,12 +935,31 @@ impl Server {
         };
         let relay = self.node_zygotes.swap_remove(index);
         let key = relay.node_zygote.key.clone();
-        let how = match crate::process::reap(pid) {
-            Ok(reaped) => reaped.end.to_string(),
-            Err(_) => "ended".to_string(),
+        let how = if relay.lane {
+            // Its parent, the node's zygote, reaps it and ends what its
+            // calls left.
+            drop(relay);
+            "ended".to_string()
+        } else {
+            let how = match crate::process::reap(pid) {
+                Ok(reaped) => reaped.end.to_string(),
+                Err(_) => "ended".to_string(),
+            };
+            drop(relay);
+            crate::containment::end_node_zygote(pid.as_raw());
+            // Its lanes die with it (a parent-death SIGKILL): none is
+            // given another call meanwhile.
+            let lanes: Vec<Pid> = self
+                .node_zygotes
+                .iter()
+                .filter(|r| r.lane && r.node_zygote.key == key)
+                .map(|r| r.node_zygote.pid)
+                .collect();
+            for lane in lanes {
+                self.node_zygote_ended(lane);
+            }
+            how
         };
-        drop(relay);
-        crate::containment::end_node_zygote(pid.as_raw());
         let orphaned: Vec<u64> = self
             .routes
             .iter()
@@ -784,9 +988,7 @@ impl Server {
 
     /// Ends every node zygote, and what their calls left.
     fn end_node_zygotes(&mut self) {
-        for relay in self.node_zygotes.drain(..) {
-            relay.node_zygote.end();
-        }
+        end_all(std::mem::take(&mut self.node_zygotes));
     }
 
     /// In a node zygote: the caller of `ticket` on link `id` is gone; its
@@ -891,6 +1093,21 @@ struct Ready {
     writable: Vec<Pid>,
     /// Node zygotes that exited.
     ended: Vec<Pid>,
+    /// In a node zygote: lanes it forked that exited.
+    lanes_ended: Vec<Pid>,
+}
+
+/// Ends node zygotes and their lanes: each lane first (its parent reaps
+/// it), then each node zygote, and what their calls left.
+fn end_all(relays: Vec<Relay>) {
+    let (lanes, node_zygotes): (Vec<Relay>, Vec<Relay>) =
+        relays.into_iter().partition(|relay| relay.lane);
+    for relay in lanes {
+        relay.node_zygote.end_lane();
+    }
+    for relay in node_zygotes {
+        relay.node_zygote.end();
+    }
 }
 
 /// A failed send means the link's owner is gone; the next read says so.

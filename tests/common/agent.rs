@@ -85,3 +85,35 @@ pub fn attached() -> (Engine, Agent, Connection) {
     let connection = engine.next_connection(WAIT);
     (engine, agent, connection)
 }
+
+/// The session of `pid`.
+pub fn session_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Waits until `node_zygote` has a lane: a child in its own session (its
+/// calls and standby children each have a session of their own), seen
+/// there twice.
+pub fn wait_for_a_lane(node_zygote: i32) {
+    let session = session_of(node_zygote);
+    let in_session = || {
+        super::children_of(node_zygote)
+            .into_iter()
+            .map(|(pid, _)| pid)
+            .filter(|&pid| session_of(pid) == session)
+            .collect::<Vec<i32>>()
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut seen = Vec::new();
+    while std::time::Instant::now() < deadline {
+        let now = in_session();
+        if now.iter().any(|pid| seen.contains(pid)) {
+            return;
+        }
+        seen = now;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("node zygote {node_zygote} forked no lane");
+}
