@@ -241,7 +241,7 @@ struct AgentArgs {
     /// Zygotes forking one node's calls: its own, and lanes forked from it as its calls
     /// in flight grow (each with the node loaded as there). One zygote feeds the calls
     /// of about three cores, so many cores need several [default: one per 3 CPUs]
-    #[arg(long, value_name = "N", value_parser = parse_jobs, help_heading = "Zygote")]
+    #[arg(long, value_name = "N", value_parser = parse_lanes, help_heading = "Zygote")]
     lanes: Option<usize>,
 
     /// The artifact store [default: beside --url: ws→http, /workers/attach → /artifacts]
@@ -314,7 +314,7 @@ struct ZygoteLinkArgs {
     metrics_fd: Option<i32>,
 
     /// The most zygotes forking one node's calls (the agent's --lanes)
-    #[arg(long, value_name = "N", value_parser = parse_jobs)]
+    #[arg(long, value_name = "N", value_parser = parse_lanes)]
     lanes: Option<usize>,
 
     #[command(flatten)]
@@ -537,7 +537,7 @@ struct SweepArgs {
     /// Zygotes forking the calls, each a fork of the one that loaded the node, each with
     /// its share of -j: one zygote feeds the calls of about three cores, so many cores
     /// need several [default: one per 3 CPUs, at most -j]
-    #[arg(long, value_name = "N", value_parser = parse_jobs, help_heading = "Running")]
+    #[arg(long, value_name = "N", value_parser = parse_lanes, help_heading = "Running")]
     lanes: Option<usize>,
 
     /// Write the result lines to FILE instead of stdout
@@ -561,6 +561,15 @@ const SWEEP_AFTER_HELP: &str = "Output: one JSON line per call as it ends (compl
      a node that does not load, an argument its function does not take, checked before any \
      call); 130 Ctrl-C (143 SIGTERM): the calls in flight ended, the results so far written \
      and summarised; 141 the reader of its output went away (| head), quietly.";
+
+/// `--lanes N`: at least one zygote forking the calls.
+fn parse_lanes(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("0 lanes would fork no call; give 1 or more".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{text:?} is not a number of lanes")),
+    }
+}
 
 /// `-j N`: at least one call in flight.
 fn parse_jobs(text: &str) -> Result<usize, String> {

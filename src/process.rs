@@ -199,6 +199,34 @@ pub fn pidfd_kill(pidfd: BorrowedFd<'_>) {
     }
 }
 
+/// Reaps the process of `pidfd` if it is this process's child (an orphan
+/// that came to this subreaper), waiting at most 2 s for it to exit; not
+/// one: nothing to do.
+pub fn reap_orphan(pidfd: BorrowedFd<'_>) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        // SAFETY: siginfo is plain data waitid fills in; P_PIDFD names the
+        // process by the fd, never by a pid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let done = unsafe {
+            libc::waitid(
+                libc::P_PIDFD,
+                pidfd.as_raw_fd() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG,
+            )
+        };
+        // SAFETY: si_pid is set by waitid (0 while the child still runs).
+        let reaped = done == 0 && unsafe { info.si_pid() } != 0;
+        let error = io::Error::last_os_error();
+        let gone = done != 0 && error.kind() != io::ErrorKind::Interrupted;
+        if reaped || gone || std::time::Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Readable once a child has exited: a pidfd, where the kernel has them.
 pub struct ExitWatch {
     /// Claimed: a call's child must never hold another call's pidfd, which
@@ -219,6 +247,14 @@ impl ExitWatch {
             Claimed::new(fd)
         });
         ExitWatch { fd }
+    }
+
+    /// A watch by a pidfd opened elsewhere (by the process's parent).
+    pub fn from_pidfd(pidfd: OwnedFd) -> ExitWatch {
+        set_cloexec(pidfd.as_fd());
+        ExitWatch {
+            fd: Some(Claimed::new(pidfd)),
+        }
     }
 
     /// A watch with nothing to watch: ask [`has_exited`] instead.

@@ -46,6 +46,18 @@ pub struct Request {
 }
 
 impl Request {
+    /// What of this request no other call may see (its kwargs, its env),
+    /// held while it is served: a child forked meanwhile wipes it
+    /// (`crate::scrub`).
+    pub fn held(&self) -> Vec<crate::scrub::Held> {
+        let kwargs = self.kwargs.iter().map(|k| k.get().as_bytes());
+        let env = self
+            .env
+            .iter()
+            .flat_map(|(name, value)| [name.as_bytes(), value.as_bytes()]);
+        kwargs.chain(env).map(crate::scrub::Held::new).collect()
+    }
+
     /// This request as a line of the worker contract, for a zygote that
     /// serves it elsewhere (a node's own zygote): what it would read had
     /// it come first-hand, `env` left out as the contract leaves it.

@@ -10,6 +10,13 @@
 //! growth, and leave nothing behind; they are passed through as they are.
 //! Buffers the runtime reuses rather than frees are zeroed where they are
 //! reused (`LogBuffer::clear`, the request reader).
+//!
+//! Freeing is not enough while a call is being served: its request (the
+//! line, the kwargs, the env) is alive in the zygote's memory when the next
+//! standby child is forked beside it, or a node's zygote or a lane, and
+//! that child never frees its copy. So what a call brings is [`Held`] while
+//! it is in memory, and every child wipes what is held the moment it is
+//! forked ([`wipe_held_in_child`], from `zygote::fork`).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
@@ -61,6 +68,77 @@ unsafe impl GlobalAlloc for ZeroOnFree {
     }
 }
 
+/// Bytes of a call's request in this process's memory, wiped in any child
+/// forked while they are held. They must stay where they are (not grow,
+/// move or be freed) until the `Held` is dropped.
+pub struct Held {
+    start: usize,
+}
+
+/// The regions held now: `(start, length)`. Only the zygote's one thread
+/// touches it; a child reads it right after the fork.
+static HELD: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+
+fn held() -> std::sync::MutexGuard<'static, Vec<(usize, usize)>> {
+    HELD.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Held {
+    pub fn new(bytes: &[u8]) -> Held {
+        let start = bytes.as_ptr() as usize;
+        if !bytes.is_empty() {
+            held().push((start, bytes.len()));
+        }
+        Held { start }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut regions = held();
+        if let Some(at) = regions.iter().rposition(|(start, _)| *start == self.start) {
+            regions.swap_remove(at);
+        }
+    }
+}
+
+/// In a child just forked: zeroes every region its parent held. The child
+/// never returns to the code that holds them (it serves, then exits), so
+/// nothing reads them again. Whole pages are dropped (`MADV_DONTNEED`: they
+/// read as zeros, and a request of a gigabyte is not copied into every
+/// child to be zeroed); only the partial pages at each end are written.
+pub fn wipe_held_in_child() {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+    let regions = std::mem::take(&mut *held());
+    for (start, length) in regions {
+        let end = start + length;
+        let first_page = start.next_multiple_of(page);
+        let last_page = end / page * page;
+        // SAFETY: each region was live, unmoved memory of the parent when
+        // it forked (a `Held` pins it), so it is mapped and writable in
+        // this copy of it; the frames that own it never run again here.
+        // The pages dropped lie wholly inside it, in private memory (the
+        // heap, or a block mapped on its own).
+        unsafe {
+            if first_page < last_page {
+                std::ptr::write_bytes(start as *mut u8, 0, first_page - start);
+                std::ptr::write_bytes(last_page as *mut u8, 0, end - last_page);
+                let dropped = libc::madvise(
+                    first_page as *mut libc::c_void,
+                    last_page - first_page,
+                    libc::MADV_DONTNEED,
+                );
+                if dropped != 0 {
+                    std::ptr::write_bytes(first_page as *mut u8, 0, last_page - first_page);
+                }
+            } else {
+                std::ptr::write_bytes(start as *mut u8, 0, length);
+            }
+        }
+    }
+}
+
 /// Forgets the first `n` bytes of `buffer` (a reused read buffer), zeroing
 /// what moving the rest forward leaves behind its new end: stale bytes in
 /// a buffer's spare capacity are as readable by a later child as freed ones.
@@ -80,6 +158,23 @@ pub fn clear(buffer: &mut Vec<u8>) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn held_bytes_are_registered_until_dropped() {
+        let secret = b"held-secret".to_vec();
+        let count = || super::held().len();
+        let before = count();
+        {
+            let _held = super::Held::new(&secret);
+            assert_eq!(count(), before + 1);
+            assert!(
+                super::held()
+                    .iter()
+                    .any(|&(start, len)| start == secret.as_ptr() as usize && len == secret.len())
+            );
+        }
+        assert_eq!(count(), before);
+    }
+
     #[test]
     fn a_drained_buffer_keeps_nothing_behind_its_end() {
         let mut buffer = b"secret-line\nnext".to_vec();

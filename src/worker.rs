@@ -96,6 +96,12 @@ fn serve(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
+        // The line and what was read behind it (requests sent ahead) are
+        // no child's to see.
+        let _held = (
+            crate::scrub::Held::new(&line),
+            crate::scrub::Held::new(requests.unserved()),
+        );
         let request = match protocol::parse_worker_request(&line) {
             Ok(request) => request,
             Err(refusal) => {
@@ -103,6 +109,7 @@ fn serve(
                 continue;
             }
         };
+        let _held_request = request.held();
         if let Err(must) = zygote.serve(py, &request, replies) {
             // The new image starts its own children: the old ones must not
             // linger (a standby waits on an eventfd, which never closes).
@@ -222,7 +229,11 @@ impl RequestReader {
 
     /// What has been read and not yet served.
     fn unread(&self) -> Vec<u8> {
-        self.buffer[self.start..].to_vec()
+        self.unserved().to_vec()
+    }
+
+    fn unserved(&self) -> &[u8] {
+        &self.buffer[self.start..]
     }
 
     /// The next line; while none is there, `zygote` reaps its children.
@@ -247,6 +258,10 @@ impl RequestReader {
                     None if length > self.max => Next::TooLong(length),
                     None => Next::Line(self.buffer[self.start..end].to_vec()),
                 };
+                // The line is taken (or refused): its bytes go now, not at
+                // the next read, so no child forked while it is served
+                // finds them here.
+                self.buffer[self.start..=end].fill(0);
                 self.start = end + 1;
                 self.scanned = 0;
                 return next;

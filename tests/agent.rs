@@ -1155,7 +1155,16 @@ fn a_nodes_calls_fork_from_lanes_of_its_zygote_as_its_calls_in_flight_grow() {
         .chain(&third)
         .map(|(_, p)| p[0])
         .collect();
+    // SIGTERM: the agent ends its zygote, which ends each node's zygote
+    // and lanes.
     let node_zygote = *node_zygote;
+    let mut laned = laned;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(laned.agent.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert_eq!(laned.agent.wait(WAIT), Some(0));
     drop(laned);
     all_gone(&calls);
     all_gone(&[lane, node_zygote, zygote]);
@@ -1206,6 +1215,7 @@ fn a_killed_lane_ends_its_own_calls_and_the_node_goes_on() {
 fn a_killed_node_zygote_takes_its_lanes_and_their_calls_and_the_node_goes_on() {
     let laned = with_a_lane("agent-lane-parent-killed");
     let lane = laned.lane();
+    let zygote = common::parent_of(laned.node_zygote);
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(laned.node_zygote),
         nix::sys::signal::Signal::SIGKILL,
@@ -1225,6 +1235,12 @@ fn a_killed_node_zygote_takes_its_lanes_and_their_calls_and_the_node_goes_on() {
     assert!(
         common::wait_gone(lane, Duration::from_secs(15)),
         "the lane {lane} outlived its node zygote"
+    );
+    // It came to the zygote (a subreaper) when its parent died, and was
+    // reaped there: no zombie left.
+    assert!(
+        !common::children_of(zygote).contains(&(lane, 'Z')),
+        "the lane {lane} is a zombie of the zygote {zygote}"
     );
     std::fs::write(&laned.gate, "").unwrap();
     let reply = laned.call_after();

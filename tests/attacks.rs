@@ -360,3 +360,87 @@ fn no_call_finds_what_earlier_calls_were_sent_or_returned_anywhere_in_its_memory
         );
     }
 }
+
+/// One node that is the victim (holding `sent` in its kwargs) or the
+/// scanner (`masked`): the same node, so its calls fork from the same
+/// zygote, with no compile between them to replace its standby children.
+fn victim_or_scanner(gate: &std::path::Path) -> String {
+    format!(
+        "{}\nimport os, time\ndef process(masked=None, sent=None, padding='', hold=False):\n    if masked is not None:\n        return scan(masked)\n    while hold and not os.path.exists({:?}):\n        time.sleep(0.01)\n    return sent[::-1]\n",
+        MEMORY_SCAN.replace("def process(masked):", "def scan(masked):"),
+        gate.display().to_string()
+    )
+}
+
+/// `sent`, and what the victim returns for it.
+fn sent_and_returned(name: &str) -> [String; 2] {
+    let sent = format!("{name}-secret-{}", std::process::id());
+    let returned = sent.chars().rev().collect();
+    [sent, returned]
+}
+
+#[test]
+fn in_worker_mode_no_call_finds_what_an_earlier_call_of_its_node_was_sent_or_returned() {
+    let secrets = sent_and_returned("worker-same-node");
+    let gate = common::scratch("attack-same-node").join("gate");
+    let source = victim_or_scanner(&gate);
+    let padding = "p".repeat(16_000);
+    let mut worker = Worker::zygote(&[]);
+    for id in 0..3 {
+        let kwargs = json!({"sent": secrets[0], "padding": padding});
+        let reply = worker.call(&run(id, "both", &source, kwargs)).reply;
+        assert_eq!(reply["result"], secrets[1].as_str(), "{reply}");
+    }
+    for (id, secret) in (10..).zip(&secrets) {
+        let reply = worker
+            .call(&run(id, "both", &source, json!({"masked": masked(secret)})))
+            .reply;
+        assert_eq!(
+            reply["result"],
+            json!([]),
+            "an earlier call's {secret:?} is in a later call's memory: {reply}"
+        );
+    }
+}
+
+#[test]
+fn through_the_agent_no_call_finds_what_other_calls_of_its_node_were_sent_or_returned() {
+    let secrets = sent_and_returned("agent-same-node");
+    let in_flight = format!("in-flight-secret-{}", std::process::id());
+    let gate = common::scratch("attack-agent-same-node").join("gate");
+    let source = victim_or_scanner(&gate);
+    let engine = Engine::start(Answer::Welcome);
+    let _agent = Agent::start(&engine.url, &["--parallel", "4"], &[]);
+    let connection = engine.next_connection(WAIT);
+    let call = |call_id: &str, kwargs: Value| json!({"op": "run", "id": call_id, "call_id": call_id, "flow": "f", "node": "both", "source": source, "kwargs": kwargs, "env": {"CALL_SECRET": secrets[0]}});
+    let padding = "p".repeat(16_000);
+    for i in 0..3 {
+        let (_, reply) = connection.reply_to(
+            &call(
+                &format!("v{i}"),
+                json!({"sent": secrets[0], "padding": padding}),
+            ),
+            WAIT,
+        );
+        assert_eq!(reply["result"], secrets[1].as_str(), "{reply}");
+    }
+    // One more, held in flight while the scans run.
+    connection.send(&call(
+        "held",
+        json!({"sent": in_flight, "padding": padding, "hold": true}),
+    ));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    for (i, secret) in secrets.iter().chain([&in_flight]).enumerate() {
+        let mut request = call(&format!("s{i}"), json!({"masked": masked(secret)}));
+        request["env"] = json!({});
+        let (_, reply) = connection.reply_to(&request, WAIT);
+        assert_eq!(
+            reply["result"],
+            json!([]),
+            "another call's {secret:?} is in this call's memory: {reply}"
+        );
+    }
+    std::fs::write(&gate, "").unwrap();
+    let (_, reply) = connection.reply("held", WAIT);
+    assert_eq!(reply["ok"], true, "{reply}");
+}

@@ -194,6 +194,10 @@ fn zero_jobs_is_a_usage_error() {
         &sweep(&example(), &["--grid", "x=1", "-j", "0"]),
         &["--jobs", "0 calls in flight would run nothing"],
     );
+    refused(
+        &sweep(&example(), &["--grid", "x=1", "--lanes", "0"]),
+        &["--lanes", "0 lanes would fork no call"],
+    );
 }
 
 #[test]

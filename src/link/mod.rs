@@ -59,9 +59,14 @@ pub enum Frame {
     /// Zygote → a node's own zygote: its calls keep its fork loop busy;
     /// fork a lane of itself (`zygote::server`).
     ForkLane,
-    /// A node's own zygote → the zygote: the lane it forked, and the lane's
-    /// end of a link to be served over.
-    Lane { pid: i32, link: OwnedFd },
+    /// A node's own zygote → the zygote: the lane it forked, the lane's end
+    /// of a link to be served over, and a pidfd of it (opened by its
+    /// parent, so it names the lane even if it has died since).
+    Lane {
+        pid: i32,
+        link: OwnedFd,
+        pidfd: OwnedFd,
+    },
 }
 
 const CALL: u8 = 1;
@@ -96,13 +101,13 @@ impl Frame {
         }
     }
 
-    /// The fd a frame carries, if it carries one.
-    pub fn fd(&self) -> Option<RawFd> {
+    /// The fds a frame carries, in order.
+    pub fn fds(&self) -> Vec<RawFd> {
         match self {
-            Frame::Started { pidfd, .. } => Some(pidfd.as_raw_fd()),
-            Frame::Pipe { pipe, .. } => Some(pipe.as_raw_fd()),
-            Frame::Lane { link, .. } => Some(link.as_raw_fd()),
-            _ => None,
+            Frame::Started { pidfd, .. } => vec![pidfd.as_raw_fd()],
+            Frame::Pipe { pipe, .. } => vec![pipe.as_raw_fd()],
+            Frame::Lane { link, pidfd, .. } => vec![link.as_raw_fd(), pidfd.as_raw_fd()],
+            _ => Vec::new(),
         }
     }
 
@@ -131,25 +136,20 @@ impl Frame {
 
     /// The bytes of a frame that carries no fd (what the agent sends).
     pub fn bytes(&self) -> Vec<u8> {
-        let (bytes, fd) = self.encode();
-        debug_assert!(fd.is_none(), "a frame with an fd goes through `send`");
+        let (bytes, fds) = self.encode();
+        debug_assert!(fds.is_empty(), "a frame with an fd goes through `send`");
         bytes
     }
 
     /// The frame's bytes and the fds that go with them.
-    fn encode(&self) -> (Vec<u8>, Option<RawFd>) {
-        let (kind, ticket, mut payload, fd) = match self {
-            Frame::Call { ticket, request } => (CALL, *ticket, request.clone(), None),
-            Frame::Ready => (READY, 0, Vec::new(), None),
-            Frame::Failed { message } => (FAILED, 0, message.as_bytes().to_vec(), None),
-            Frame::Started { ticket, pid, pidfd } => (
-                STARTED,
-                *ticket,
-                pid.to_le_bytes().to_vec(),
-                Some(pidfd.as_raw_fd()),
-            ),
-            Frame::Pipe { ticket, pipe } => (PIPE, *ticket, Vec::new(), Some(pipe.as_raw_fd())),
-            Frame::Line { ticket, line } => (LINE, *ticket, line.clone(), None),
+    fn encode(&self) -> (Vec<u8>, Vec<RawFd>) {
+        let (kind, ticket, mut payload) = match self {
+            Frame::Call { ticket, request } => (CALL, *ticket, request.clone()),
+            Frame::Ready => (READY, 0, Vec::new()),
+            Frame::Failed { message } => (FAILED, 0, message.as_bytes().to_vec()),
+            Frame::Started { ticket, pid, .. } => (STARTED, *ticket, pid.to_le_bytes().to_vec()),
+            Frame::Pipe { ticket, .. } => (PIPE, *ticket, Vec::new()),
+            Frame::Line { ticket, line } => (LINE, *ticket, line.clone()),
             Frame::Ended { ticket, end, logs } => {
                 // Exit codes are 0..=255 and signals 1..=64: an end over a
                 // memory limit is written below both, as -(1000 + MiB).
@@ -162,22 +162,20 @@ impl Frame {
                 };
                 let mut payload = code.to_le_bytes().to_vec();
                 payload.extend_from_slice(logs.as_bytes());
-                (ENDED, *ticket, payload, None)
+                (ENDED, *ticket, payload)
             }
-            Frame::Done { ticket } => (DONE, *ticket, Vec::new(), None),
-            Frame::Abandon { ticket } => (ABANDON, *ticket, Vec::new(), None),
-            Frame::Lost { ticket, message } => (LOST, *ticket, message.as_bytes().to_vec(), None),
-            Frame::ForkLane => (FORK_LANE, 0, Vec::new(), None),
-            Frame::Lane { pid, link } => {
-                (LANE, 0, pid.to_le_bytes().to_vec(), Some(link.as_raw_fd()))
-            }
+            Frame::Done { ticket } => (DONE, *ticket, Vec::new()),
+            Frame::Abandon { ticket } => (ABANDON, *ticket, Vec::new()),
+            Frame::Lost { ticket, message } => (LOST, *ticket, message.as_bytes().to_vec()),
+            Frame::ForkLane => (FORK_LANE, 0, Vec::new()),
+            Frame::Lane { pid, .. } => (LANE, 0, pid.to_le_bytes().to_vec()),
         };
         let mut bytes = Vec::with_capacity(13 + payload.len());
         bytes.extend_from_slice(&((9 + payload.len()) as u32).to_le_bytes());
         bytes.push(kind);
         bytes.extend_from_slice(&ticket.to_le_bytes());
         bytes.append(&mut payload);
-        (bytes, fd)
+        (bytes, self.fds())
     }
 
     fn decode(body: &[u8], fds: &mut VecDeque<OwnedFd>) -> Result<Frame, String> {
@@ -247,6 +245,7 @@ impl Frame {
             LANE => Frame::Lane {
                 pid: number(payload)?,
                 link: fd(fds)?,
+                pidfd: fd(fds)?,
             },
             other => return Err(format!("an unknown frame kind {other}")),
         })
@@ -255,7 +254,7 @@ impl Frame {
 
 /// Sends one frame, whole, with its fd. Blocks until the socket took it.
 pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
-    let (bytes, fd) = frame.encode();
+    let (bytes, fds) = frame.encode();
     if bytes.len() > MAX_PAYLOAD {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
@@ -264,9 +263,8 @@ pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
     }
     let mut sent = 0;
     while sent < bytes.len() {
-        let fds = [fd.unwrap_or(-1)];
-        // The fd rides with the frame's first bytes only.
-        let control = if sent == 0 && fd.is_some() {
+        // The fds ride with the frame's first bytes only.
+        let control = if sent == 0 && !fds.is_empty() {
             vec![ControlMessage::ScmRights(&fds)]
         } else {
             vec![]
@@ -327,6 +325,11 @@ impl Receiver {
             claiming: true,
             ..Receiver::default()
         }
+    }
+
+    /// What has arrived and is not yet a whole frame taken.
+    pub fn pending(&self) -> &[u8] {
+        &self.buffer
     }
 
     /// One `recvmsg`: bytes into the buffer, fds into the queue.
@@ -391,7 +394,7 @@ impl Receiver {
         let frame = Frame::decode(&self.buffer[4..4 + length], &mut self.fds);
         if self.claiming {
             // Taken into the frame: its owner's now.
-            for fd in frame.iter().filter_map(Frame::fd) {
+            for fd in frame.iter().flat_map(Frame::fds) {
                 crate::zygote::plumbing::forget(fd);
             }
             debug_assert!(self.fds.len() <= queued);
@@ -413,6 +416,7 @@ mod tests {
         let (pipe_read, _pipe_write) = nix::unistd::pipe().unwrap();
         let (other_read, _other_write) = nix::unistd::pipe().unwrap();
         let (lane_link, _lane_other) = UnixStream::pair().unwrap();
+        let (lane_pidfd, _lane_pidfd_write) = nix::unistd::pipe().unwrap();
         let frames = [
             Frame::Ready,
             Frame::Pipe {
@@ -438,6 +442,7 @@ mod tests {
             Frame::Lane {
                 pid: 4321,
                 link: lane_link.into(),
+                pidfd: lane_pidfd,
             },
         ];
         let sender = std::thread::spawn(move || {
@@ -483,9 +488,8 @@ mod tests {
             ticket: 3,
             pipe: pipe_read,
         };
-        let (bytes, fd) = frame.encode();
+        let (bytes, fds) = frame.encode();
         // The fd and the frame's first byte, then the rest later.
-        let fds = [fd.unwrap()];
         sendmsg::<()>(
             left.as_raw_fd(),
             &[IoSlice::new(&bytes[..1])],

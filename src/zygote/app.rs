@@ -192,13 +192,15 @@ impl NodeZygote {
         crate::containment::end_node_zygote(pid.as_raw());
     }
 
-    /// Ends a lane another process forked (so not reaped here): its link
-    /// closed, then SIGKILL through its pidfd, which cannot name a reused
-    /// pid. Its parent reaps it and ends what its calls left.
-    pub fn end_lane(self) {
+    /// Ends a lane whose node zygote, its parent, has ended: SIGKILL (it
+    /// is dying of its parent's death already) through its pidfd, which
+    /// cannot name a reused pid, then reaped, here if it came to this
+    /// process (a subreaper) as an orphan.
+    pub fn end_orphaned_lane(self) {
         drop(self.link);
         if let Some(pidfd) = self.exit.fd() {
             crate::process::pidfd_kill(pidfd);
+            crate::process::reap_orphan(pidfd);
         }
     }
 

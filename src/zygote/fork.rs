@@ -112,6 +112,9 @@ pub fn fork(_py: Python<'_>) -> std::io::Result<Forked> {
                 // Another thread may hold any lock; touch nothing.
                 libc::_exit(UNSAFE_FORK_EXIT);
             }
+            // The requests of calls in flight in the parent are not this
+            // child's to read.
+            crate::scrub::wipe_held_in_child();
             ffi::PyOS_AfterFork_Child();
             return Ok(Forked::Child);
         }

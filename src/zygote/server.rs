@@ -540,6 +540,8 @@ impl Server {
         ticket: u64,
         request: &[u8],
     ) -> bool {
+        // No child forked while this call is served may find it.
+        let _line = crate::scrub::Held::new(request);
         let parsed = match self.contract {
             Contract::Agent => protocol::parse_request(request),
             Contract::Worker => protocol::parse_worker_request(request),
@@ -554,10 +556,13 @@ impl Server {
                 return false;
             }
         };
+        let _secrets = parsed.held();
         if self.placement == Placement::NodeZygotes {
             self.relay(py, zygote, id, ticket, &parsed, request);
             return zygote.needs_recovery();
         }
+        // Nor the requests behind it, not yet taken (forks follow).
+        let _pending = self.pending_held();
         let Some(socket) = self.socket_of(id) else {
             return false;
         };
@@ -676,7 +681,9 @@ impl Server {
             return Ok(pid);
         }
         self.retire_one();
+        let pending = self.pending_held();
         let node_zygote = app::spawn(py, zygote, key, self.contract, None)?;
+        drop(pending);
         set_nonblocking(node_zygote.raw_link());
         let pid = node_zygote.pid;
         tracing::debug!(node = %key, pid = pid.as_raw(), "forked the node's own zygote");
@@ -689,6 +696,18 @@ impl Server {
             outbox: Vec::new(),
         });
         Ok(pid)
+    }
+
+    /// The bytes of requests (and frames) read or queued and not yet
+    /// passed on, held across a fork: a child never finds them. Dropped
+    /// before any of those buffers changes.
+    fn pending_held(&self) -> Vec<crate::scrub::Held> {
+        let links = self.links.iter().map(|link| link.receiver.pending());
+        let relays = self
+            .node_zygotes
+            .iter()
+            .flat_map(|relay| [relay.receiver.pending(), &relay.outbox[..]]);
+        links.chain(relays).map(crate::scrub::Held::new).collect()
     }
 
     /// Calls relayed to node zygote (or lane) `pid` and not yet ended.
@@ -720,7 +739,7 @@ impl Server {
     }
 
     /// The lane node zygote `index` forked: relayed to like it from now on.
-    fn add_lane(&mut self, index: usize, pid: i32, link: OwnedFd) {
+    fn add_lane(&mut self, index: usize, pid: i32, link: OwnedFd, pidfd: OwnedFd) {
         let parent = &mut self.node_zygotes[index];
         parent.lane_asked = false;
         let key = parent.node_zygote.key.clone();
@@ -734,9 +753,10 @@ impl Server {
                 key,
                 pid,
                 link,
-                // Its parent reaps it; a lane that ended is seen here by its
-                // pidfd, or by its link closing.
-                exit: ExitWatch::new(pid),
+                // Its parent reaps it; a lane that ended is seen here by
+                // this pidfd, which its parent opened while it was its
+                // child (so it cannot name a reused pid).
+                exit: ExitWatch::from_pidfd(pidfd),
             },
             lane: true,
             lane_asked: false,
@@ -754,9 +774,11 @@ impl Server {
             return false;
         };
         let contract = self.contract;
+        let pending = self.pending_held();
         let forked = app::fork_own(py, zygote, &key, |py, zygote, link| {
             serve_link(py, zygote, link, contract, &key)
         });
+        drop(pending);
         let Some(socket) = self.socket_of(id) else {
             if let Ok(lane) = forked {
                 lane.end();
@@ -765,6 +787,13 @@ impl Server {
         };
         match forked {
             Ok(lane) => {
+                let pidfd = lane.exit.fd().and_then(|fd| fd.try_clone_to_owned().ok());
+                let Some(pidfd) = pidfd else {
+                    // No pidfds here (Linux before 5.3): the zygote could
+                    // not watch it safely, so there is no lane.
+                    lane.end();
+                    return zygote.needs_recovery();
+                };
                 let NodeZygote {
                     pid, link, exit, ..
                 } = lane;
@@ -773,6 +802,7 @@ impl Server {
                     Frame::Lane {
                         pid: pid.as_raw(),
                         link: link.release(),
+                        pidfd,
                     },
                 );
                 self.lanes.push((pid, exit));
@@ -904,8 +934,10 @@ impl Server {
             };
             let Some(relayed) = frame.ticket() else {
                 match frame {
-                    Frame::Lane { pid, link } => self.add_lane(index, pid, link),
+                    Frame::Lane { pid, link, pidfd } => self.add_lane(index, pid, link, pidfd),
                     Frame::Failed { message } => {
+                        // (A lane it could not fork: it may be asked again.)
+                        self.node_zygotes[index].lane_asked = false;
                         tracing::error!("a node's zygote failed: {message}")
                     }
                     _ => {}
@@ -935,31 +967,36 @@ impl Server {
         };
         let relay = self.node_zygotes.swap_remove(index);
         let key = relay.node_zygote.key.clone();
-        let how = if relay.lane {
+        if relay.lane {
             // Its parent, the node's zygote, reaps it and ends what its
             // calls left.
             drop(relay);
-            "ended".to_string()
-        } else {
-            let how = match crate::process::reap(pid) {
-                Ok(reaped) => reaped.end.to_string(),
-                Err(_) => "ended".to_string(),
-            };
-            drop(relay);
-            crate::containment::end_node_zygote(pid.as_raw());
-            // Its lanes die with it (a parent-death SIGKILL): none is
-            // given another call meanwhile.
-            let lanes: Vec<Pid> = self
-                .node_zygotes
-                .iter()
-                .filter(|r| r.lane && r.node_zygote.key == key)
-                .map(|r| r.node_zygote.pid)
-                .collect();
-            for lane in lanes {
-                self.node_zygote_ended(lane);
-            }
-            how
+            self.fail_routes(pid, &key, "ended");
+            return;
+        }
+        let how = match crate::process::reap(pid) {
+            Ok(reaped) => reaped.end.to_string(),
+            Err(_) => "ended".to_string(),
         };
+        drop(relay);
+        crate::containment::end_node_zygote(pid.as_raw());
+        // Its lanes die with it (a parent-death SIGKILL) and come to this
+        // process (a subreaper) to be reaped; none is given another call.
+        let (lanes, kept): (Vec<Relay>, Vec<Relay>) = std::mem::take(&mut self.node_zygotes)
+            .into_iter()
+            .partition(|r| r.lane && r.node_zygote.key == key);
+        self.node_zygotes = kept;
+        for lane in lanes {
+            let lane_pid = lane.node_zygote.pid;
+            lane.node_zygote.end_orphaned_lane();
+            self.fail_routes(lane_pid, &key, "ended with the node's zygote");
+        }
+        self.fail_routes(pid, &key, &how);
+    }
+
+    /// Answers every call relayed to node zygote (or lane) `pid`, which
+    /// ended (`how`), with a failure saying so.
+    fn fail_routes(&mut self, pid: Pid, key: &NodeKey, how: &str) {
         let orphaned: Vec<u64> = self
             .routes
             .iter()
@@ -1097,16 +1134,16 @@ struct Ready {
     lanes_ended: Vec<Pid>,
 }
 
-/// Ends node zygotes and their lanes: each lane first (its parent reaps
-/// it), then each node zygote, and what their calls left.
+/// Ends node zygotes, what their calls left, and their lanes (which die
+/// with them and come here to be reaped).
 fn end_all(relays: Vec<Relay>) {
     let (lanes, node_zygotes): (Vec<Relay>, Vec<Relay>) =
         relays.into_iter().partition(|relay| relay.lane);
-    for relay in lanes {
-        relay.node_zygote.end_lane();
-    }
     for relay in node_zygotes {
         relay.node_zygote.end();
+    }
+    for relay in lanes {
+        relay.node_zygote.end_orphaned_lane();
     }
 }
 
