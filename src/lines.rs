@@ -196,17 +196,25 @@ impl LineBuffer {
         }
     }
 
+    /// Everything in the buffer, lines handed over included: a call's
+    /// output, held across a fork (`crate::scrub`).
+    pub fn held(&self) -> crate::scrub::Held {
+        crate::scrub::Held::new(&self.buffer)
+    }
+
     fn compact(&mut self) {
+        // Lines handed over are zeroed as they go: a call's output must not
+        // stay in memory later children are forked with.
         if self.start > 0 {
             if self.start == self.buffer.len() {
-                self.buffer.clear();
+                crate::scrub::clear(&mut self.buffer);
                 if self.buffer.capacity() > KEEP_CAPACITY {
                     self.buffer = Vec::new();
                 }
                 self.start = 0;
             } else {
                 // Only the partial line after the last newline moves, once.
-                self.buffer.drain(..self.start);
+                crate::scrub::drain_front(&mut self.buffer, self.start);
                 self.start = 0;
             }
         }
@@ -215,7 +223,7 @@ impl LineBuffer {
     /// Drops everything, the half line and the record of one over the limit
     /// included; a big allocation goes back to the allocator.
     pub fn clear(&mut self) {
-        self.buffer.clear();
+        crate::scrub::clear(&mut self.buffer);
         if self.buffer.capacity() > KEEP_CAPACITY {
             self.buffer = Vec::new();
         }

@@ -5,9 +5,11 @@
 //! replies it relayed (results), the frames it passed on: once freed, their
 //! bytes would still sit in the heap every later call's child is forked
 //! with, readable through `/proc/self/mem`. So the runtime's allocator
-//! zeroes every block it frees. Blocks that glibc maps on their own (128 KiB
-//! and up) are returned to the kernel on free and moved by `mremap` on
-//! growth, and leave nothing behind; they are passed through as they are.
+//! zeroes every block it frees. Blocks that glibc maps on their own are
+//! returned to the kernel on free and moved by `mremap` on growth, and
+//! leave nothing behind; they are passed through as they are. Which those
+//! are is read off the block (glibc raises its mmap threshold as blocks
+//! are freed, so a block of megabytes may well be in the heap).
 //! Buffers the runtime reuses rather than frees are zeroed where they are
 //! reused (`LogBuffer::clear`, the request reader).
 //!
@@ -20,9 +22,59 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
-/// glibc's default mmap threshold: blocks this size or larger are their
-/// own mappings, unmapped on free.
+/// glibc's smallest mmap threshold: no smaller block is a mapping of its
+/// own.
 const OWN_MAPPING: usize = 128 * 1024;
+
+/// Whether glibc mapped this block on its own: the `IS_MMAPPED` bit of the
+/// size word before it. Elsewhere: assume not (it is zeroed, which is safe).
+///
+/// # Safety
+/// `ptr` is a live block of the system allocator.
+unsafe fn own_mapping(ptr: *mut u8) -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: glibc keeps a chunk's size word right before the block.
+    unsafe {
+        const IS_MMAPPED: usize = 0x2;
+        *(ptr as *const usize).sub(1) & IS_MMAPPED != 0
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        let _ = ptr;
+        false
+    }
+}
+
+/// Zeroes `length` bytes at `start`: whole pages dropped (`MADV_DONTNEED`:
+/// they read as zeros, without being touched, let alone copied by a fork),
+/// the partial pages at either end written.
+///
+/// # Safety
+/// The range is writable private memory that nothing else uses now.
+unsafe fn zero(start: usize, length: usize) {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+    let end = start + length;
+    let first_page = start.next_multiple_of(page);
+    let last_page = end / page * page;
+    // SAFETY: inside the caller's range.
+    unsafe {
+        if length < 4 * page || first_page >= last_page {
+            std::ptr::write_bytes(start as *mut u8, 0, length);
+            return;
+        }
+        std::ptr::write_bytes(start as *mut u8, 0, first_page - start);
+        std::ptr::write_bytes(last_page as *mut u8, 0, end - last_page);
+        let dropped = libc::madvise(
+            first_page as *mut libc::c_void,
+            last_page - first_page,
+            libc::MADV_DONTNEED,
+        );
+        if dropped != 0 {
+            std::ptr::write_bytes(first_page as *mut u8, 0, last_page - first_page);
+        }
+    }
+}
 
 /// The system allocator, zeroing what it frees.
 pub struct ZeroOnFree;
@@ -43,8 +95,8 @@ unsafe impl GlobalAlloc for ZeroOnFree {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: the block is the caller's until dealloc returns.
         unsafe {
-            if layout.size() < OWN_MAPPING {
-                std::ptr::write_bytes(ptr, 0, layout.size());
+            if layout.size() < OWN_MAPPING || !own_mapping(ptr) {
+                zero(ptr as usize, layout.size());
             }
             System.dealloc(ptr, layout)
         }
@@ -54,7 +106,7 @@ unsafe impl GlobalAlloc for ZeroOnFree {
         // SAFETY: as in `dealloc`; a moved block is copied whole before
         // the old one is zeroed and freed.
         unsafe {
-            if layout.size() >= OWN_MAPPING && new_size >= OWN_MAPPING {
+            if layout.size() >= OWN_MAPPING && new_size >= OWN_MAPPING && own_mapping(ptr) {
                 return System.realloc(ptr, layout, new_size);
             }
             let new_layout = Layout::from_size_align_unchecked(new_size, layout.align());
@@ -108,34 +160,13 @@ impl Drop for Held {
 /// read as zeros, and a request of a gigabyte is not copied into every
 /// child to be zeroed); only the partial pages at each end are written.
 pub fn wipe_held_in_child() {
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
     let regions = std::mem::take(&mut *held());
     for (start, length) in regions {
-        let end = start + length;
-        let first_page = start.next_multiple_of(page);
-        let last_page = end / page * page;
         // SAFETY: each region was live, unmoved memory of the parent when
         // it forked (a `Held` pins it), so it is mapped and writable in
-        // this copy of it; the frames that own it never run again here.
-        // The pages dropped lie wholly inside it, in private memory (the
-        // heap, or a block mapped on its own).
-        unsafe {
-            if first_page < last_page {
-                std::ptr::write_bytes(start as *mut u8, 0, first_page - start);
-                std::ptr::write_bytes(last_page as *mut u8, 0, end - last_page);
-                let dropped = libc::madvise(
-                    first_page as *mut libc::c_void,
-                    last_page - first_page,
-                    libc::MADV_DONTNEED,
-                );
-                if dropped != 0 {
-                    std::ptr::write_bytes(first_page as *mut u8, 0, last_page - first_page);
-                }
-            } else {
-                std::ptr::write_bytes(start as *mut u8, 0, length);
-            }
-        }
+        // this copy of it, private (the heap, or a block mapped on its
+        // own); the frames that own it never run again here.
+        unsafe { zero(start, length) };
     }
 }
 
@@ -152,12 +183,41 @@ pub fn drain_front(buffer: &mut Vec<u8>, n: usize) {
 
 /// Empties a reused read buffer, zeroing what it held.
 pub fn clear(buffer: &mut Vec<u8>) {
-    buffer.fill(0);
+    // SAFETY: the buffer's own initialised bytes, about to be forgotten.
+    unsafe { zero(buffer.as_mut_ptr() as usize, buffer.len()) };
     buffer.clear();
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_cleared_buffer_of_many_pages_reads_as_zeros() {
+        let mut buffer = vec![0x5Au8; 1 << 20];
+        let at = buffer.as_ptr();
+        super::clear(&mut buffer);
+        assert!(buffer.is_empty());
+        // SAFETY: the same allocation, its bytes initialised (zeroed).
+        let kept = unsafe { std::slice::from_raw_parts(at, 1 << 20) };
+        assert!(kept.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn a_block_mapped_on_its_own_is_told_from_one_in_the_heap() {
+        use std::alloc::{GlobalAlloc, Layout};
+        let allocator = super::ZeroOnFree;
+        // Past glibc's highest mmap threshold (32 MiB), and far below its
+        // lowest.
+        for (size, mapped) in [(64 << 20, true), (64, false)] {
+            let layout = Layout::from_size_align(size, 8).unwrap();
+            // SAFETY: a fresh block of `layout`, asked about, freed once.
+            unsafe {
+                let block = allocator.alloc(layout);
+                assert_eq!(super::own_mapping(block), mapped, "{size} bytes");
+                allocator.dealloc(block, layout);
+            }
+        }
+    }
+
     #[test]
     fn held_bytes_are_registered_until_dropped() {
         let secret = b"held-secret".to_vec();

@@ -381,25 +381,30 @@ fn sent_and_returned(name: &str) -> [String; 2] {
 
 #[test]
 fn in_worker_mode_no_call_finds_what_an_earlier_call_of_its_node_was_sent_or_returned() {
-    let secrets = sent_and_returned("worker-same-node");
     let gate = common::scratch("attack-same-node").join("gate");
     let source = victim_or_scanner(&gate);
-    let padding = "p".repeat(16_000);
-    let mut worker = Worker::zygote(&[]);
-    for id in 0..3 {
-        let kwargs = json!({"sent": secrets[0], "padding": padding});
-        let reply = worker.call(&run(id, "both", &source, kwargs)).reply;
-        assert_eq!(reply["result"], secrets[1].as_str(), "{reply}");
-    }
-    for (id, secret) in (10..).zip(&secrets) {
-        let reply = worker
-            .call(&run(id, "both", &source, json!({"masked": masked(secret)})))
-            .reply;
-        assert_eq!(
-            reply["result"],
-            json!([]),
-            "an earlier call's {secret:?} is in a later call's memory: {reply}"
-        );
+    // Requests of pages, and of blocks past glibc's first mmap threshold
+    // (which it raises as such blocks are freed: later ones land in the
+    // heap).
+    for padding in [16_000, 700_000] {
+        let secrets = sent_and_returned(&format!("worker-same-node-{padding}"));
+        let padding = "p".repeat(padding);
+        let mut worker = Worker::zygote(&[]);
+        for id in 0..3 {
+            let kwargs = json!({"sent": secrets[0], "padding": padding});
+            let reply = worker.call(&run(id, "both", &source, kwargs)).reply;
+            assert_eq!(reply["result"], secrets[1].as_str(), "{reply}");
+        }
+        for (id, secret) in (10..).zip(&secrets) {
+            let reply = worker
+                .call(&run(id, "both", &source, json!({"masked": masked(secret)})))
+                .reply;
+            assert_eq!(
+                reply["result"],
+                json!([]),
+                "an earlier call's {secret:?} is in a later call's memory: {reply}"
+            );
+        }
     }
 }
 

@@ -89,6 +89,11 @@ impl Flight {
         }
     }
 
+    /// The call's lines read so far, held across a fork (`crate::scrub`).
+    pub fn held(&self) -> crate::scrub::Held {
+        self.pending.held()
+    }
+
     /// Readies the flight of a resident child for its next call.
     pub fn rearm(&mut self) {
         self.replied = false;

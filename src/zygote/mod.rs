@@ -439,6 +439,9 @@ impl Zygote {
         // forked; a longer one has that fork made beside it, on the other core.
         let answered = matches!(flight.follow_for(out, Some(self.fork_cost)), Ok(Some(_)));
         if !answered {
+            // What the call wrote so far (events, part of its reply) is
+            // not the next call's to read.
+            let _held = flight.held();
             self.replenish(py);
         }
         let served = self.run(&assignment(Task::Run), flight, out);
@@ -479,6 +482,7 @@ impl Zygote {
         logs_so_far: Option<LogBuffer>,
         out: &mut dyn CallOutput,
     ) -> Result<Landed, Stop> {
+        let _held = assignment.held();
         let mut flight = self.start(py, assignment, logs_so_far, out)?;
         if assignment.task != Task::Trial {
             // A trial changes the zygote's state: a standby forked now would

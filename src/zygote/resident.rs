@@ -51,6 +51,7 @@ impl Zygote {
         logs_so_far: Option<LogBuffer>,
         out: &mut dyn CallOutput,
     ) -> Result<(), Stop> {
+        let _held = assignment.held();
         let key = assignment.key.clone();
         if self
             .residents
