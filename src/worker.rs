@@ -270,11 +270,13 @@ impl RequestReader {
             if self.scanned > self.max {
                 // Too long to keep: forget it, keep counting to its end.
                 *skipped.get_or_insert(0) += self.scanned;
+                self.buffer[self.start..].fill(0);
                 self.buffer.truncate(self.start);
                 self.scanned = 0;
             }
             if self.eof {
                 let rest = self.buffer[self.start..].to_vec();
+                self.buffer[self.start..].fill(0);
                 self.start = self.buffer.len();
                 self.scanned = 0;
                 return match (skipped, rest.is_empty()) {
