@@ -143,21 +143,24 @@ pub fn reap(pid: Pid) -> io::Result<Reaped> {
 /// keeps its pid, so its process group can still be signalled safely.
 /// Whether it has exited (always true without `WNOHANG` in `flags`).
 fn wait_unreaped(pid: Pid, flags: libc::c_int) -> io::Result<bool> {
+    waitid(
+        libc::P_PID,
+        pid.as_raw() as libc::id_t,
+        libc::WEXITED | libc::WNOWAIT | flags,
+    )
+}
+
+/// `waitid(2)`, retried when interrupted: whether a child's exit was
+/// reported (never, under `WNOHANG`, while it still runs).
+fn waitid(idtype: libc::idtype_t, id: libc::id_t, flags: libc::c_int) -> io::Result<bool> {
     loop {
         // SAFETY: siginfo_t is plain data; zeroed is valid and waitid fills it in.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
         // SAFETY: a pointer to a live local.
-        let done = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                pid.as_raw() as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOWAIT | flags,
-            )
-        };
+        let done = unsafe { libc::waitid(idtype, id, &mut info, flags) };
         if done == 0 {
             // SAFETY: waitid succeeded, so si_pid is set (0 when nothing changed).
-            return Ok(unsafe { info.si_pid() } == pid.as_raw());
+            return Ok(unsafe { info.si_pid() } != 0);
         }
         let error = io::Error::last_os_error();
         if error.kind() != io::ErrorKind::Interrupted {
@@ -204,23 +207,11 @@ pub fn pidfd_kill(pidfd: BorrowedFd<'_>) {
 /// one: nothing to do.
 pub fn reap_orphan(pidfd: BorrowedFd<'_>) {
     let deadline = std::time::Instant::now() + Duration::from_secs(2);
-    loop {
-        // SAFETY: siginfo is plain data waitid fills in; P_PIDFD names the
-        // process by the fd, never by a pid.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        let done = unsafe {
-            libc::waitid(
-                libc::P_PIDFD,
-                pidfd.as_raw_fd() as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOHANG,
-            )
-        };
-        // SAFETY: si_pid is set by waitid (0 while the child still runs).
-        let reaped = done == 0 && unsafe { info.si_pid() } != 0;
-        let error = io::Error::last_os_error();
-        let gone = done != 0 && error.kind() != io::ErrorKind::Interrupted;
-        if reaped || gone || std::time::Instant::now() >= deadline {
+    // P_PIDFD names the process by the fd, never by a pid; not a child of
+    // this process: ECHILD.
+    let id = pidfd.as_raw_fd() as libc::id_t;
+    while let Ok(false) = waitid(libc::P_PIDFD, id, libc::WEXITED | libc::WNOHANG) {
+        if std::time::Instant::now() >= deadline {
             return;
         }
         std::thread::sleep(Duration::from_millis(1));

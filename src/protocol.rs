@@ -50,12 +50,7 @@ impl Request {
     /// held while it is served: a child forked meanwhile wipes it
     /// (`crate::scrub`).
     pub fn held(&self) -> Vec<crate::scrub::Held> {
-        let kwargs = self.kwargs.iter().map(|k| k.get().as_bytes());
-        let env = self
-            .env
-            .iter()
-            .flat_map(|(name, value)| [name.as_bytes(), value.as_bytes()]);
-        kwargs.chain(env).map(crate::scrub::Held::new).collect()
+        crate::scrub::hold_call_data(self.kwargs.as_deref().map(RawValue::get), &self.env)
     }
 
     /// This request as a line of the worker contract, for a zygote that

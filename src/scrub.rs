@@ -52,6 +52,13 @@ unsafe fn own_mapping(ptr: *mut u8) -> bool {
 /// # Safety
 /// The range is writable private memory that nothing else uses now.
 unsafe fn zero(start: usize, length: usize) {
+    // Every block the runtime frees comes here: most are small, and are
+    // simply written.
+    if length < OWN_MAPPING {
+        // SAFETY: the caller's range.
+        unsafe { std::ptr::write_bytes(start as *mut u8, 0, length) };
+        return;
+    }
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
     let end = start + length;
@@ -59,7 +66,7 @@ unsafe fn zero(start: usize, length: usize) {
     let last_page = end / page * page;
     // SAFETY: inside the caller's range.
     unsafe {
-        if length < 4 * page || first_page >= last_page {
+        if first_page >= last_page {
             std::ptr::write_bytes(start as *mut u8, 0, length);
             return;
         }
@@ -152,6 +159,20 @@ impl Drop for Held {
             regions.swap_remove(at);
         }
     }
+}
+
+/// A call's kwargs and env (as a request or an assignment carries them),
+/// held while they are in memory.
+pub fn hold_call_data(kwargs: Option<&str>, env: &[(String, String)]) -> Vec<Held> {
+    let env = env
+        .iter()
+        .flat_map(|(name, value)| [name.as_bytes(), value.as_bytes()]);
+    kwargs
+        .map(str::as_bytes)
+        .into_iter()
+        .chain(env)
+        .map(Held::new)
+        .collect()
 }
 
 /// In a child just forked: zeroes every region its parent held. The child

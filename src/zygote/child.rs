@@ -120,12 +120,7 @@ impl Assignment {
     /// Its copies of the call's kwargs and env, held while it is in memory
     /// (`crate::scrub`): a child forked meanwhile wipes them.
     pub fn held(&self) -> Vec<crate::scrub::Held> {
-        let kwargs = self.kwargs.iter().map(|k| k.as_bytes());
-        let env = self
-            .env
-            .iter()
-            .flat_map(|(name, value)| [name.as_bytes(), value.as_bytes()]);
-        kwargs.chain(env).map(crate::scrub::Held::new).collect()
+        crate::scrub::hold_call_data(self.kwargs.as_deref(), &self.env)
     }
 
     /// Length-prefixed fields: no escaping, no second JSON parse of a

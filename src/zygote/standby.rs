@@ -91,8 +91,7 @@ impl Children {
             // more than this many wait (each was killed, so each ends).
             while self.landing.len() > MAX_LANDING {
                 let oldest = self.landing.remove(0);
-                let _ = process::reap(oldest.pid);
-                self.spare_logs.push(oldest.logs);
+                self.reap(oldest);
             }
         }
     }
@@ -104,12 +103,18 @@ impl Children {
             let pid = self.landing[index].pid;
             if process::has_exited(pid) {
                 let landing = self.landing.swap_remove(index);
-                let _ = process::reap(pid);
-                self.spare_logs.push(landing.logs);
+                self.reap(landing);
             } else {
                 index += 1;
             }
         }
+    }
+
+    /// Reaps a landing child (waiting for it, if it has not exited) and
+    /// keeps its log buffer for another call.
+    fn reap(&mut self, landing: Landing) {
+        let _ = process::reap(landing.pid);
+        self.spare_logs.push(landing.logs);
     }
 
     fn discard(&mut self, standby: Standby) {
