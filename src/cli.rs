@@ -375,11 +375,32 @@ struct ZygoteArgs {
           default_value_t = crate::lines::DEFAULT_MAX_REPLY_MB)]
     max_reply_mb: usize,
 
+    /// Threads each call's BLAS and OpenMP pools get (OpenBLAS, MKL, BLIS, OpenMP: those
+    /// loaded, and OMP_NUM_THREADS and its kin for those loaded later). Default: the CPUs
+    /// shared among the calls in flight, at least 1 each, so that -j 4 on 8 CPUs gives
+    /// each call 2; a thread variable set in this environment is respected
+    #[arg(long, env = crate::zygote::threads::THREADS_PER_CALL_ENV, value_name = "N",
+          value_parser = parse_threads)]
+    threads_per_call: Option<usize>,
+
+    /// `on`: a module a node's calls import (from the Python installation: the standard
+    /// library, site-packages) is imported into the zygote too, tried in a child first,
+    /// so later calls start with it loaded. `off`: every call imports for itself
+    #[arg(long, env = "FLUKSIO_LEARN_IMPORTS", value_enum, value_name = "WHEN",
+          default_value_t = Switch::On)]
+    learn_imports: Switch,
+
     /// Serve Prometheus metrics on http://ADDR/metrics (calls by outcome, call and fork
     /// durations, the zygote's memory, its children, the agent's reconnects), e.g.
     /// 127.0.0.1:9464
     #[arg(long, value_name = "ADDR", help_heading = "Logs")]
     metrics: Option<String>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Switch {
+    On,
+    Off,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -407,6 +428,12 @@ impl ZygoteArgs {
         if let Some(mib) = options.containment.memory_limit_mib {
             flags.extend(["--call-memory-limit".to_string(), mib.to_string()]);
         }
+        if let Some(threads) = options.threads_per_call {
+            flags.extend(["--threads-per-call".to_string(), threads.to_string()]);
+        }
+        if !options.learn_imports {
+            flags.extend(["--learn-imports".to_string(), "off".to_string()]);
+        }
         flags
     }
 
@@ -427,6 +454,8 @@ impl ZygoteArgs {
             max_calls_per_child: self.max_calls_per_child.filter(|&n| n > 0),
             node_zygote_mib: None,
             node_lanes: None,
+            threads_per_call: self.threads_per_call,
+            learn_imports: self.learn_imports == Switch::On,
             containment: crate::containment::Options {
                 memory_limit_mib: self.call_memory_limit.filter(|&mib| mib > 0),
             },
@@ -480,8 +509,28 @@ struct RunArgs {
     #[arg(long, value_name = "JSON", help_heading = "Arguments")]
     kwargs: Option<String>,
 
+    /// End the call if it is still running after SECONDS (NodeTimeout), with everything
+    /// it started
+    #[arg(long, value_name = "SECONDS", value_parser = parse_timeout)]
+    timeout: Option<std::time::Duration>,
+
+    #[command(flatten)]
+    warmup: WarmupArgs,
+
     #[command(flatten, next_help_heading = "Zygote")]
     zygote: ZygoteArgs,
+}
+
+/// `--warmup`, for `run` and `sweep`.
+#[derive(Args)]
+struct WarmupArgs {
+    /// Call the node once in its zygote before any call is forked, with these keyword
+    /// arguments (a JSON object) or `first` (the first point's): what a library builds on
+    /// its first call (caches, lazy imports, BLAS buffers) is then built once and every
+    /// call starts with it. Whatever the warm-up leaves in module state, every call sees.
+    /// A warm-up that leaves a thread running (an OpenMP pool, a CUDA context) is refused
+    #[arg(long, value_name = "JSON|first", value_parser = parse_warmup, help_heading = "Zygote")]
+    warmup: Option<crate::sweep::Warmup>,
 }
 
 /// `run --help`, after the options.
@@ -540,6 +589,14 @@ struct SweepArgs {
     #[arg(long, value_name = "N", value_parser = parse_lanes, help_heading = "Running")]
     lanes: Option<usize>,
 
+    /// End a call still running after SECONDS: it fails with NodeTimeout, everything it
+    /// started is killed, and the sweep goes on
+    #[arg(long, value_name = "SECONDS", value_parser = parse_timeout, help_heading = "Running")]
+    timeout: Option<std::time::Duration>,
+
+    #[command(flatten)]
+    warmup: WarmupArgs,
+
     /// Write the result lines to FILE instead of stdout
     #[arg(long, short = 'o', value_name = "FILE", help_heading = "Output")]
     output: Option<PathBuf>,
@@ -568,6 +625,41 @@ fn parse_lanes(text: &str) -> Result<usize, String> {
         Ok(0) => Err("0 lanes would fork no call; give 1 or more".into()),
         Ok(n) => Ok(n),
         Err(_) => Err(format!("{text:?} is not a number of lanes")),
+    }
+}
+
+/// `--threads-per-call N`: at least one.
+fn parse_threads(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("0 threads would run nothing; give 1 or more".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{text:?} is not a number of threads")),
+    }
+}
+
+/// `--timeout SECONDS`: a positive number of seconds.
+fn parse_timeout(text: &str) -> Result<std::time::Duration, String> {
+    match text.parse::<f64>() {
+        Ok(seconds) if seconds > 0.0 && seconds.is_finite() => {
+            Ok(std::time::Duration::from_secs_f64(seconds))
+        }
+        _ => Err(format!(
+            "{text:?} is not a number of seconds above 0 (e.g. 30 or 0.5)"
+        )),
+    }
+}
+
+/// `--warmup JSON|first`.
+fn parse_warmup(text: &str) -> Result<crate::sweep::Warmup, String> {
+    if text.trim() == "first" {
+        return Ok(crate::sweep::Warmup::FirstPoint);
+    }
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(kwargs)) => Ok(crate::sweep::Warmup::Kwargs(kwargs)),
+        Ok(_) | Err(_) => Err(format!(
+            "{text:?} is neither `first` nor a JSON object of keyword arguments (e.g. \
+             '{{\"x\": 1}}')"
+        )),
     }
 }
 
@@ -678,12 +770,16 @@ pub fn main() -> ExitCode {
             jobs: args.jobs,
             lanes: args.lanes,
             output: args.output,
+            timeout: args.timeout,
+            warmup: args.warmup.warmup,
         }),
         Command::Run(args) => sweep::run::run(&RunOptions {
             zygote: args.zygote.options(),
             node: args.node,
             kwargs: args.kwargs,
             pairs: args.pairs,
+            timeout: args.timeout,
+            warmup: args.warmup.warmup,
         }),
     }
 }

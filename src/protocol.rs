@@ -43,6 +43,10 @@ pub struct Request {
     /// Agent protocol only: environment for this call's process (never
     /// read off a worker-contract request: `parse_worker_request`).
     pub env: Vec<(String, String)>,
+    /// `compile` from `run`/`sweep --warmup` only: the keyword arguments the
+    /// node is called with once in its zygote after it loads
+    /// (`zygote::warmup`). Never read off a request line.
+    pub warmup: Option<Box<RawValue>>,
 }
 
 impl Request {
@@ -302,6 +306,7 @@ fn parse(line: &[u8], with_env: bool) -> Result<Request, ProtocolError> {
         keep,
         kwargs,
         env,
+        warmup: None,
     })
 }
 

@@ -38,6 +38,7 @@ impl Node {
             keep: true,
             kwargs: kwargs.map(|k| raw(&Value::Object(k.clone()).to_string())),
             env: Vec::new(),
+            warmup: None,
         }
     }
 }

@@ -60,6 +60,20 @@ pub struct SweepOptions {
     pub lanes: Option<usize>,
     /// Where the result lines go instead of stdout.
     pub output: Option<PathBuf>,
+    /// A call still running after this long is ended (`NodeTimeout`).
+    pub timeout: Option<std::time::Duration>,
+    /// The node called once in its zygote before any call is forked.
+    pub warmup: Option<Warmup>,
+}
+
+/// `--warmup`: what the node is called with in its zygote, once, before
+/// any call is forked (`zygote::warmup`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Warmup {
+    /// These keyword arguments.
+    Kwargs(serde_json::Map<String, Value>),
+    /// The first call's.
+    FirstPoint,
 }
 
 /// Exit code: 141, as a shell reports a process its closed pipe ended.
@@ -101,7 +115,19 @@ pub fn run(options: &SweepOptions) -> ExitCode {
         &options.zygote,
         zygote::print_startup_error,
         |py, zygote| {
-            if let Err(message) = load(py, zygote, &prepared.node, &prepared.dir, true) {
+            let warmup = options.warmup.as_ref().map(|warmup| match warmup {
+                Warmup::Kwargs(kwargs) => kwargs.clone(),
+                Warmup::FirstPoint => prepared.calls.get(0),
+            });
+            let loaded = load(
+                py,
+                zygote,
+                &prepared.node,
+                &prepared.dir,
+                true,
+                warmup.as_ref(),
+            );
+            if let Err(message) = loaded {
                 return fail("sweep", &message, 2);
             }
             // Every grid point has the same names: its first one stands for all.
@@ -250,20 +276,23 @@ fn take_stdout(null_stdin: bool) -> std::io::Result<File> {
 }
 
 /// Puts the node's directory first on `sys.path`, as `python node.py`
-/// does, then compiles the node into the zygote. `echo_logs`: print what
-/// its module level printed (`run` has shown it live already).
+/// does, then compiles the node into the zygote, and warms it up there
+/// with `warmup` where given. `echo_logs`: print what its module level
+/// printed (`run` has shown it live already).
 fn load(
     py: Python<'_>,
     zygote: &mut Zygote,
     node: &Node,
     dir: &Path,
     echo_logs: bool,
+    warmup: Option<&Kwargs>,
 ) -> Result<(), String> {
     py.import("sys")
         .and_then(|sys| sys.getattr("path"))
         .and_then(|path| path.call_method1("insert", (0, dir.to_string_lossy().as_ref())))
         .map_err(|e| format!("cannot put {} on sys.path: {e}", dir.display()))?;
-    let request = node.request(Op::Compile, "null", None);
+    let mut request = node.request(Op::Compile, "null", None);
+    request.warmup = warmup.map(|kwargs| calls::raw(&Value::Object(kwargs.clone()).to_string()));
     let mut answer = calls::Answer::default();
     if zygote.serve(py, &request, &mut answer).is_err() {
         return Err("the zygote cannot fork safely after loading the node".into());
@@ -280,6 +309,14 @@ fn load(
             let _ = write!(std::io::stderr(), "{}", error.traceback);
         }
         return Err(format!("the node does not load: {}", error.short));
+    }
+    if warmup.is_some()
+        && let Some(why) = zygote.warmup_refusal(&node.flow, &node.name)
+    {
+        return Err(format!(
+            "the warm-up was refused: {why}\nhint: fix the node, or leave out --warmup \
+             (its calls then start cold)"
+        ));
     }
     Ok(())
 }
@@ -327,6 +364,8 @@ fn sweep(
 ) -> ExitCode {
     let started = Instant::now();
     let total = prepared.calls.len();
+    // Each call's share of the CPUs: its BLAS and OpenMP threads.
+    zygote::threads::set_calls_in_flight(jobs.min(total));
     let bar = progress.then(|| report::progress_bar(total));
     let mut summary = Summary::new(total, jobs);
     // Under `--isolation node` the sweep hands each call to a resident child

@@ -28,6 +28,10 @@ pub struct RunOptions {
     pub kwargs: Option<String>,
     /// And as `NAME=VALUE` each.
     pub pairs: Vec<String>,
+    /// The call is ended if still running after this long (`NodeTimeout`).
+    pub timeout: Option<std::time::Duration>,
+    /// The node called once in its zygote before the call is forked.
+    pub warmup: Option<super::Warmup>,
 }
 
 pub fn run(options: &RunOptions) -> ExitCode {
@@ -52,7 +56,11 @@ pub fn run(options: &RunOptions) -> ExitCode {
         &options.zygote,
         zygote::print_startup_error,
         |py, zygote| {
-            if let Err(message) = load(py, zygote, &node, &dir, false) {
+            let warmup = options.warmup.as_ref().map(|warmup| match warmup {
+                super::Warmup::Kwargs(kwargs) => kwargs.clone(),
+                super::Warmup::FirstPoint => call.clone(),
+            });
+            if let Err(message) = load(py, zygote, &node, &dir, false, warmup.as_ref()) {
                 return fail("run", &message, 2);
             }
             let calls_list = [call.clone()];

@@ -48,6 +48,8 @@ pub struct NodeZygote {
 pub struct Preload<'a> {
     pub source: &'a str,
     pub digest: &'a str,
+    /// Its warm-up's `--warmup` arguments, or why it is refused (`super::warmup`).
+    pub warm: Result<Option<&'a str>, &'a str>,
 }
 
 /// Forks a zygote of its own for node `key`. It loads `preload` first (if
@@ -62,7 +64,7 @@ pub fn spawn(
 ) -> std::io::Result<NodeZygote> {
     fork_own(py, zygote, key, |py, zygote, link| {
         if let Some(preload) = preload {
-            zygote.load_into_zygote(py, key, preload.source, preload.digest);
+            zygote.load_into_zygote(py, key, preload.source, preload.digest, preload.warm);
         }
         super::server::serve_link(py, zygote, link, contract, key)
     })

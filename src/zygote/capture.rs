@@ -24,15 +24,22 @@ pub const MAX_LOG_CHARS: usize = 16 * 1024;
 /// Room for the worst case: every kept character four bytes long.
 const DATA_BYTES: usize = MAX_LOG_CHARS * 4;
 
+/// Room for a child's report to its zygote, beside its logs
+/// ([`LogBuffer::set_report`]): the modules a call imported, or why a
+/// warm-up was refused.
+const REPORT_BYTES: usize = 64 * 1024;
+
 #[repr(C)]
 struct Header {
     /// Bytes of data written so far.
     bytes: usize,
     /// Characters they encode, to enforce the cap in the contract's unit.
     chars: usize,
+    /// Bytes of the report.
+    report: usize,
 }
 
-const MAPPING_BYTES: usize = std::mem::size_of::<Header>() + DATA_BYTES;
+const MAPPING_BYTES: usize = std::mem::size_of::<Header>() + DATA_BYTES + REPORT_BYTES;
 
 /// A capture that outlives the process writing it: anonymous shared memory.
 pub struct LogBuffer {
@@ -127,6 +134,41 @@ impl LogBuffer {
         // the mapping; no child writes a buffer the zygote is clearing.
         unsafe { std::ptr::write_bytes(self.data(), 0, written) };
         self.set_counts(0, 0);
+        self.take_report();
+    }
+
+    fn report_area(&self) -> *mut u8 {
+        // SAFETY: the report area follows the data area inside the mapping.
+        unsafe { self.data().add(DATA_BYTES) }
+    }
+
+    /// In a child: what it tells its zygote beside its logs (read once it
+    /// has ended, [`LogBuffer::take_report`]). Longer than the room is cut.
+    pub fn set_report(&self, report: &[u8]) {
+        let len = report.len().min(REPORT_BYTES);
+        // SAFETY: `len` bytes fit the report area; the header is ours.
+        unsafe {
+            std::ptr::copy_nonoverlapping(report.as_ptr(), self.report_area(), len);
+            (*self.base.as_ptr()).report = len;
+        }
+    }
+
+    /// In the zygote, once the child has ended: its report, zeroed here so
+    /// that the next call's child does not find it.
+    pub fn take_report(&self) -> Vec<u8> {
+        // SAFETY: the header is ours; the child that wrote it has ended.
+        let len = unsafe { (*self.base.as_ptr()).report }.min(REPORT_BYTES);
+        if len == 0 {
+            return Vec::new();
+        }
+        // SAFETY: `len` bytes of the report area, written by `set_report`.
+        let report = unsafe { std::slice::from_raw_parts(self.report_area(), len) }.to_vec();
+        // SAFETY: as above.
+        unsafe {
+            std::ptr::write_bytes(self.report_area(), 0, len);
+            (*self.base.as_ptr()).report = 0;
+        }
+        report
     }
 
     /// Makes this buffer hold what `other` holds (a trial's output, which a

@@ -90,6 +90,18 @@ pub fn loads<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
     LOADS.import(py, "json", "loads")?.call1((text,))
 }
 
+/// Set while node code runs that is not a call (a warm-up): what it emits
+/// or yields goes nowhere.
+static MUTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Runs `f` with events muted (see [`MUTED`]).
+pub fn muted<R>(f: impl FnOnce() -> R) -> R {
+    MUTED.store(true, std::sync::atomic::Ordering::Relaxed);
+    let result = f();
+    MUTED.store(false, std::sync::atomic::Ordering::Relaxed);
+    result
+}
+
 /// Sends `{"event": kind, "outputs": outputs, "call_id", "ts"}`.
 ///
 /// A value JSON cannot carry raises here, in the node's own frame for
@@ -99,6 +111,9 @@ pub fn send_event(kind: &str, outputs: &Bound<'_, PyAny>, what: &str) -> PyResul
     let Some(channel) = CHANNEL.get() else {
         return Ok(());
     };
+    if MUTED.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(());
+    }
     let event = PyDict::new(py);
     event.set_item(pyo3::intern!(py, "event"), kind)?;
     event.set_item(pyo3::intern!(py, "outputs"), outputs)?;

@@ -344,7 +344,9 @@ pub fn serve(
     let before = (call.task == Task::Trial)
         .then(anonymous_memory_mib)
         .flatten();
-    let outcome = apply_env(py, &call.env).and_then(|()| perform(py, call, function, logs));
+    let mut loaded = None;
+    let outcome =
+        apply_env(py, &call.env).and_then(|()| perform(py, call, function, logs, &mut loaded));
     let heavy = before.is_some_and(|before| {
         heavy_from_mib().is_some_and(|limit| {
             anonymous_memory_mib().is_some_and(|after| after.saturating_sub(before) >= limit)
@@ -368,6 +370,15 @@ pub fn serve(
         (Task::Trial, Err(_)) => TrialVerdict::Failed.exit_code(),
         _ => 0,
     };
+    // Its warm-up once the load has its own verdict: what the warm-up leaves
+    // is the warm-up's to answer for.
+    if (exit_code == TrialVerdict::Loaded.exit_code()
+        || exit_code == TrialVerdict::LoadedHeavy.exit_code())
+        && let Some(function) = &loaded
+        && let Err(why) = warm_up_quietly(py, function.bind(py), call.kwargs.as_deref(), logs)
+    {
+        logs.set_report(&super::warmup::refusal_report(&why));
+    }
     let reply = encode_reply(py, call, outcome);
     let _ = channel::send_reply(py, &reply);
     if call.task == Task::Run {
@@ -427,7 +438,8 @@ pub(super) fn exit(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
-/// The call's environment, through `os.environ` so Python and C both see it.
+/// The call's environment, through `os.environ` so Python and C both see it;
+/// then the thread pools loaded already sized as it says (`threads`).
 pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)]) -> PyResult<()> {
     if env.is_empty() {
         return Ok(());
@@ -436,21 +448,56 @@ pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)]) -> PyResult<()
     for (key, value) in env {
         environ.set_item(key, value)?;
     }
+    super::threads::follow_environment();
     Ok(())
 }
 
 /// Loads if needed, then runs: the part that may raise the node's error.
+/// A trial's function is left in `loaded`, for its warm-up.
 fn perform<'py>(
     py: Python<'py>,
     call: &Assignment,
     function: Function<'_>,
     logs: &LogBuffer,
+    loaded: &mut Option<Py<PyAny>>,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
     let function = resolve(py, call, function, logs)?;
-    if call.task == Task::Check || call.task == Task::Trial {
-        return Ok(None);
+    match call.task {
+        Task::Check => Ok(None),
+        Task::Trial => {
+            *loaded = Some(function.unbind());
+            Ok(None)
+        }
+        Task::Run | Task::Resident => invoke(py, call, &function).map(Some),
     }
-    invoke(py, call, &function).map(Some)
+}
+
+/// A trial's warm-up (`super::warmup`), if the node or `--warmup` asks for
+/// one, its output dropped; `Err` says why it is refused.
+fn warm_up_quietly(
+    py: Python<'_>,
+    function: &Bound<'_, PyAny>,
+    explicit: Option<&str>,
+    logs: &LogBuffer,
+) -> Result<(), String> {
+    let Some(kwargs) = super::warmup::kwargs(py, function, explicit)? else {
+        return Ok(());
+    };
+    let scratch = LogBuffer::new().map_err(|e| e.to_string())?;
+    scratch.capture_here();
+    let warmed = super::warmup::run(py, function, &kwargs);
+    logs.capture_here();
+    drop(scratch);
+    warmed.map_err(|refusal| refusal.why)
+}
+
+/// `Type: message (line N)` of a node's exception, as a reply's `short`.
+pub(super) fn short_description(py: Python<'_>, error: &PyErr) -> String {
+    describe(py, error)
+        .ok()
+        .and_then(|described| described.get_item("short").ok().flatten())
+        .and_then(|short| short.str().ok().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| super::error_line(py, error))
 }
 
 /// The node's function: the zygote's, or loaded here.

@@ -32,6 +32,8 @@ pub mod resident;
 pub mod server;
 pub mod signals;
 mod standby;
+pub mod threads;
+pub mod warmup;
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
@@ -69,6 +71,12 @@ pub struct ZygoteOptions {
     /// get, where nodes have zygotes of their own (the agent's zygote, a
     /// shared one) [default: one per `app::CORES_PER_LANE` CPUs].
     pub node_lanes: Option<usize>,
+    /// Threads each call's BLAS and OpenMP pools get (`--threads-per-call`);
+    /// `None`: the CPUs shared among the calls in flight (`threads`).
+    pub threads_per_call: Option<usize>,
+    /// Import in the zygote what a node's calls import, for the calls after
+    /// (`learn`).
+    pub learn_imports: bool,
 }
 
 /// Why a zygote did not start. Each is printed as is, and exits 2.
@@ -184,6 +192,8 @@ struct Compiled {
     digest: String,
     source: String,
     residence: Residence,
+    /// Why its warm-up was refused, where one was asked for (`warmup`).
+    warmup_refused: Option<String>,
 }
 
 /// The zygote's state between calls.
@@ -254,6 +264,7 @@ impl Zygote {
         finish::settle_zygote(py);
         settle_baseline(py, &options.preload)?;
         child::set_heavy_from_mib(options.node_zygote_mib);
+        threads::configure(options.threads_per_call);
         let gc = py.import("gc")?;
         gc.call_method0("disable")?;
         gc.call_method0("freeze")?;
@@ -374,15 +385,24 @@ impl Zygote {
                 }
                 _ => None,
             };
+            // Refused in the trial, the warm-up is not run here either.
+            let refused = warmup::refusal_in(&landed.logs.take_report());
+            let warm = match &refused {
+                Some(why) => Err(why.as_str()),
+                None => Ok(request
+                    .warmup
+                    .as_deref()
+                    .map(serde_json::value::RawValue::get)),
+            };
             let own_zygote =
                 self.node_zygote_mib.is_some() && self.isolation == resident::Isolation::Call;
             let loaded = match verdict {
                 Some(TrialVerdict::LoadedHeavy) if own_zygote => {
-                    self.give_own_zygote(py, &key, &request.source, &digest);
+                    self.give_own_zygote(py, &key, &request.source, &digest, warm);
                     true
                 }
                 Some(TrialVerdict::Loaded | TrialVerdict::LoadedHeavy) => {
-                    self.load_into_zygote(py, &key, &request.source, &digest);
+                    self.load_into_zygote(py, &key, &request.source, &digest, warm);
                     true
                 }
                 Some(TrialVerdict::LoadedButForkUnsafe) => {
@@ -666,9 +686,18 @@ impl Zygote {
         }
     }
 
-    /// Loads a node whose trial went cleanly into the zygote itself, then
-    /// checks the zygote can still fork safely.
-    fn load_into_zygote(&mut self, py: Python<'_>, key: &NodeKey, source: &str, digest: &str) {
+    /// Loads a node whose trial went cleanly into the zygote itself, checks
+    /// the zygote can still fork safely, then warms the node up there.
+    /// `warm`: the `--warmup` keyword arguments (`None`: the node's own, if
+    /// it asks), or why its warm-up is refused.
+    fn load_into_zygote(
+        &mut self,
+        py: Python<'_>,
+        key: &NodeKey,
+        source: &str,
+        digest: &str,
+        warm: Result<Option<&str>, &str>,
+    ) {
         // Its output was reported by the trial; here it goes nowhere.
         let loaded = quietly(py, || node::load_in_zygote(py, key, source, digest));
         let residence = match loaded {
@@ -682,6 +711,10 @@ impl Zygote {
                 Residence::EachChild
             }
         };
+        let function = match &residence {
+            Residence::Zygote(function) => Some(function.clone_ref(py)),
+            _ => None,
+        };
         self.remember(key, source, digest, residence);
         if !fork::forks_safely(py) {
             tracing::error!(
@@ -693,7 +726,66 @@ impl Zygote {
                 compiled.residence = Residence::EachChild;
             }
             self.needs_recovery = true;
+            return;
         }
+        let refused = match (warm, function) {
+            (Err(why), _) => Some(why.to_string()),
+            (Ok(explicit), Some(function)) => self.warm_up(py, key, function.bind(py), explicit),
+            (Ok(_), None) => None,
+        };
+        if let Some(why) = &refused {
+            tracing::warn!("node {key}: its warm-up was refused ({why}); its calls start cold");
+        }
+        if let Some(compiled) = self.nodes.get_mut(key) {
+            compiled.warmup_refused = refused;
+        }
+    }
+
+    /// Runs node `key`'s warm-up here, if one is asked for; why not, if it
+    /// was refused. One that left a thread or a CUDA context here (its
+    /// trial did not) restarts the zygote.
+    fn warm_up(
+        &mut self,
+        py: Python<'_>,
+        key: &NodeKey,
+        function: &Bound<'_, PyAny>,
+        explicit: Option<&str>,
+    ) -> Option<String> {
+        let kwargs = match warmup::kwargs(py, function, explicit) {
+            Ok(Some(kwargs)) => kwargs,
+            Ok(None) => return None,
+            Err(why) => return Some(why),
+        };
+        let warmed = quietly(py, || Ok(warmup::run(py, function, &kwargs))).unwrap_or(Ok(()));
+        match warmed {
+            Ok(()) => {
+                // What it built stays; standbys forked before it do not have it.
+                self.generation += 1;
+                tracing::debug!(node = %key, "warmed up in the zygote");
+                None
+            }
+            Err(refusal) => {
+                if refusal.poisoned {
+                    tracing::error!(
+                        "node {key}'s warm-up left the zygote unable to fork safely ({}), though \
+                         its trial did not; restarting the zygote",
+                        refusal.why
+                    );
+                    self.needs_recovery = true;
+                }
+                Some(refusal.why)
+            }
+        }
+    }
+
+    /// Why node `flow.node`'s warm-up was refused, where one was asked for
+    /// and it was.
+    pub fn warmup_refusal(&self, flow: &str, node: &str) -> Option<String> {
+        let key = NodeKey {
+            flow: flow.to_string(),
+            node: node.to_string(),
+        };
+        self.nodes.get(&key)?.warmup_refused.clone()
     }
 
     fn remember(&mut self, key: &NodeKey, source: &str, digest: &str, residence: Residence) {
@@ -711,6 +803,7 @@ impl Zygote {
                 digest: digest.to_string(),
                 source: source.to_string(),
                 residence,
+                warmup_refused: None,
             },
         );
         self.generation += 1;
@@ -739,7 +832,10 @@ impl Zygote {
             };
             let digest = node::source_digest(&resumed.source);
             if resumed.in_zygote {
-                self.load_into_zygote(py, &key, &resumed.source, &digest);
+                // Not warmed up again: a warm-up may be what made the last
+                // incarnation restart.
+                let warm = Err("not run again after the zygote restarted");
+                self.load_into_zygote(py, &key, &resumed.source, &digest, warm);
             } else {
                 self.remember(&key, &resumed.source, &digest, Residence::EachChild);
             }
@@ -813,8 +909,19 @@ impl Zygote {
     /// Forks a zygote of its own for a heavy node whose trial went cleanly,
     /// loads the node there, and remembers it; where that fails, the node
     /// is loaded here after all.
-    fn give_own_zygote(&mut self, py: Python<'_>, key: &NodeKey, source: &str, digest: &str) {
-        let preload = app::Preload { source, digest };
+    fn give_own_zygote(
+        &mut self,
+        py: Python<'_>,
+        key: &NodeKey,
+        source: &str,
+        digest: &str,
+        warm: Result<Option<&str>, &str>,
+    ) {
+        let preload = app::Preload {
+            source,
+            digest,
+            warm,
+        };
         let started = app::spawn(py, self, key, server::Contract::Worker, Some(preload))
             .map_err(|error| error.to_string())
             .and_then(|node_zygote| {
@@ -842,7 +949,7 @@ impl Zygote {
             }
             Err(why) => {
                 tracing::warn!("node {key}: no zygote of its own ({why}); it is loaded here");
-                self.load_into_zygote(py, key, source, digest);
+                self.load_into_zygote(py, key, source, digest, warm);
             }
         }
     }

@@ -220,6 +220,8 @@ struct Route {
     link: u64,
     ticket: u64,
     node_zygote: Pid,
+    /// A run (not a compile): it counts among the calls in flight.
+    run: bool,
 }
 
 impl Server {
@@ -558,6 +560,11 @@ impl Server {
         };
         let _secrets = parsed.held();
         if self.placement == Placement::NodeZygotes {
+            if parsed.op == protocol::Op::Run {
+                // Each call's share of the CPUs, read where it is forked.
+                let runs = self.routes.values().filter(|route| route.run).count();
+                super::threads::set_calls_in_flight(runs + 1);
+            }
             self.relay(py, zygote, id, ticket, &parsed, request);
             return zygote.needs_recovery();
         }
@@ -638,6 +645,7 @@ impl Server {
                 link,
                 ticket,
                 node_zygote: pid,
+                run: parsed.op == protocol::Op::Run,
             },
         );
         self.post(

@@ -296,6 +296,7 @@ impl Zygote {
                 drop(lines_read);
                 plumbing::close_in_child();
                 logs.unmap_all_others();
+                super::threads::forget_shared_page();
                 fork::become_call_child(self.pid);
                 child::stand_by(py, &logs, self.loaded_functions());
                 child::wait_for_call(&go);
@@ -364,8 +365,15 @@ impl Assignment {
             },
             source: request.source.clone(),
             digest: digest.to_string(),
-            kwargs: request.kwargs.as_ref().map(|k| k.get().to_string()),
-            env: request.env.clone(),
+            // A trial calls the node only to warm it up (`--warmup`).
+            kwargs: match task {
+                Task::Trial => request.warmup.as_ref(),
+                _ => request.kwargs.as_ref(),
+            }
+            .map(|k| k.get().to_string()),
+            // The call's share of the CPUs, for the pools it loads itself
+            // and those loaded already (`threads`).
+            env: [request.env.clone(), super::threads::env_for(&request.env)].concat(),
         }
     }
 
