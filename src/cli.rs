@@ -82,9 +82,16 @@ const BENCH_AFTER_HELP: &str = "The baselines run from the reference files: --re
      print(os.path.dirname(os.path.dirname(fluksio_worker.__file__)))')`.\n\n\
      Examples:\n  fluksio-zygote bench --preload numpy\n  \
      fluksio-zygote bench --preload numpy,pandas,scipy.stats --out bench-results\n  \
-     fluksio-zygote bench --quick   # every row, fewer calls: a minute or two";
+     fluksio-zygote bench --quick   # every row, fewer calls: a minute or two\n  \
+     fluksio-zygote bench --workloads --out bench-results   # real nodes against joblib: ~10 minutes\n  \
+     fluksio-zygote bench --workloads --quick --workload numpy_eigh,logreg_cv\n\n\
+     --workloads runs each node of benches/workloads (scikit-learn, scipy, pandas, numpy) on the \
+     same points through `sweep -j 2` (--isolation call, with --warmup first, with \
+     --learn-imports off; --isolation node) and through benches/workloads/baseline.py \
+     (joblib.Parallel(n_jobs=2), ProcessPoolExecutor(2) with fork, a for-loop), each timed \
+     start to exit, every row's results checked against the for-loop's.";
 
-/// `bench`: issue 8's comparison matrix.
+/// `bench`: issue 8's comparison matrix, or (`--workloads`) real nodes end to end.
 #[derive(Args)]
 struct BenchArgs {
     /// Modules the node imports and ours preloads (comma-separated)
@@ -104,13 +111,55 @@ struct BenchArgs {
     #[arg(long, value_name = "DIR", default_value_os_t = crate::bench::default_reference())]
     reference: PathBuf,
 
-    /// Where the table (bench-PRELOAD.md) and the chart (bench-PRELOAD.png) are written
+    /// Where the table (bench-PRELOAD.md, or workloads.md) and the chart (.png) are written
     #[arg(long, value_name = "DIR", default_value = "bench-results")]
     out: PathBuf,
 
-    /// Fewer calls everywhere (and a 100 MB big node): every row in a minute or two
+    /// Fewer calls everywhere (and a 100 MB big node): every row in a minute or two.
+    /// With --workloads, a fifth of each workload's points
     #[arg(long)]
     quick: bool,
+
+    /// Instead of the matrix, real nodes end to end: ours against joblib, a process pool
+    /// and a for-loop (workloads.md and workloads.png under --out)
+    #[arg(long, help_heading = "Workloads")]
+    workloads: bool,
+
+    /// Points of every workload [default: each its own, 40 to 1000; a fifth with --quick]
+    #[arg(
+        long,
+        value_name = "N",
+        requires = "workloads",
+        help_heading = "Workloads"
+    )]
+    points: Option<usize>,
+
+    /// Run every row this many times, in rounds (each round every row once), and report
+    /// each row's median: this machine's noise moves one run by 10-40%
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        requires = "workloads",
+        help_heading = "Workloads"
+    )]
+    repeat: usize,
+
+    /// Only these workloads (comma-separated node names: svm_cv, logreg_cv, numpy_eigh,
+    /// scipy_minimize, pandas_groupby)
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "NAMES",
+        requires = "workloads",
+        help_heading = "Workloads"
+    )]
+    workload: Vec<String>,
+
+    /// The directory of the workloads' node files and baseline.py
+    #[arg(long, value_name = "DIR", default_value_os_t = crate::bench::workloads::default_dir(),
+          help_heading = "Workloads")]
+    workloads_dir: PathBuf,
 
     /// Calls of (5), the sweep [default: 10000; 1000 with --quick]
     #[arg(long, value_name = "N")]
@@ -154,6 +203,26 @@ impl BenchArgs {
         if let Some(kib) = self.floor_kib {
             return crate::bench::floor::child_main(kib, self.floor_calls);
         }
+        if self.workloads {
+            return crate::bench::workloads::run(&crate::bench::workloads::WorkloadOptions {
+                python_given: self.python.is_some(),
+                python: self
+                    .python
+                    .unwrap_or_else(|| PathBuf::from(crate::zygote::interpreter::BUILD_PYTHON)),
+                dir: self.workloads_dir,
+                out: self.out,
+                quick: self.quick,
+                points: self.points,
+                repeat: self.repeat.max(1),
+                only: self
+                    .workload
+                    .iter()
+                    .map(|w| w.trim().trim_end_matches(".py").to_string())
+                    .filter(|w| !w.is_empty())
+                    .collect(),
+                command_line: Self::command_line(),
+            });
+        }
         let base = if self.quick {
             crate::bench::Counts::QUICK
         } else {
@@ -183,11 +252,16 @@ impl BenchArgs {
             out: self.out,
             counts,
             standby: self.standby,
-            command_line: std::env::args()
-                .map(|a| if a.contains(' ') { format!("'{a}'") } else { a })
-                .collect::<Vec<_>>()
-                .join(" "),
+            command_line: Self::command_line(),
         })
+    }
+
+    /// This process's command line, for a report.
+    fn command_line() -> String {
+        std::env::args()
+            .map(|a| if a.contains(' ') { format!("'{a}'") } else { a })
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 }
 

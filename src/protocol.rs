@@ -388,6 +388,33 @@ pub fn failure_reply(
     line
 }
 
+/// A reply for a call the runtime ended before it replied (`sweep
+/// --timeout`): `short` is the message alone, as PROTOCOL.md section 2 has
+/// it for a process that ended without a reply.
+pub fn ended_by_runtime(
+    id: &RawValue,
+    call_id: &str,
+    kind: &str,
+    message: &str,
+    logs: &str,
+) -> Vec<u8> {
+    let reply = Failure {
+        id,
+        call_id,
+        ok: false,
+        error: ErrorBody {
+            kind,
+            message,
+            short: message.to_string(),
+            traceback: "",
+        },
+        logs,
+    };
+    let mut line = serde_json::to_vec(&reply).expect("a reply of strings serialises");
+    line.push(b'\n');
+    line
+}
+
 /// The type a reply carries when the call's process ended without one. The
 /// pool re-raises it under this name, as it does agent.py's own.
 pub const ENDED_WITHOUT_REPLY: &str = "RemoteError";

@@ -151,3 +151,87 @@ fn bench_quick_writes_the_table_and_the_chart_with_every_row() {
     assert!(png.len() > 1000, "an empty chart");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// The workloads of `bench --workloads`, and every row each one has.
+const WORKLOADS: &[&str] = &[
+    "svm_cv",
+    "logreg_cv",
+    "numpy_eigh",
+    "scipy_minimize",
+    "pandas_groupby",
+];
+const WORKLOAD_ROWS: &[&str] = &[
+    "ours, `--isolation call`",
+    "ours, `--isolation call --warmup first`",
+    "ours, `--isolation call --learn-imports off`",
+    "ours, `--isolation node`",
+    "joblib.Parallel(n_jobs=2)",
+    "ProcessPoolExecutor(2), fork",
+    "for-loop",
+];
+
+/// `bench --workloads` on 4 points each: every workload has every row, each
+/// measured (none failed), and every row computed what the for-loop did.
+/// No timing is asserted.
+#[test]
+fn bench_workloads_runs_every_row_to_the_same_results() {
+    let python = fluksio_zygote::zygote::interpreter::BUILD_PYTHON;
+    let sklearn = Command::new(python)
+        .args(["-c", "import sklearn"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !sklearn {
+        eprintln!(
+            "\n\n************************************************************\n\
+             SKIPPED bench_workloads_runs_every_row_to_the_same_results:\n\
+             {python} has no scikit-learn (pip install scikit-learn)\n\
+             ************************************************************\n"
+        );
+        return;
+    }
+    let out = std::env::temp_dir().join(format!(
+        "fluksio-bench-workloads-test-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&out);
+    let output = Command::new(ZYGOTE)
+        .args(["bench", "--workloads", "--quick", "--points", "4"])
+        .arg("--workloads-dir")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/workloads"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "bench failed: {stderr}");
+    assert!(
+        stdout.contains("| workload | run as | wall |"),
+        "the table is printed: {stdout}"
+    );
+
+    let table = std::fs::read_to_string(out.join("workloads.md")).expect("the table is written");
+    for workload in WORKLOADS {
+        for way in WORKLOAD_ROWS {
+            let row = table
+                .lines()
+                .find(|l| l.starts_with(&format!("| {workload} (4 points) | {way} |")))
+                .unwrap_or_else(|| panic!("no row for {way} in {workload}:\n{table}"));
+            assert!(
+                !row.contains("failed"),
+                "{way} failed on {workload}: {row}\n{stderr}"
+            );
+            assert!(row.contains(" s |"), "no wall time: {row}");
+        }
+    }
+    assert!(
+        !table.contains("results differ"),
+        "a row computed something else:\n{table}"
+    );
+    assert!(table.contains("## Targets"), "{table}");
+
+    let png = std::fs::read(out.join("workloads.png")).expect("the chart is written");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    assert!(png.len() > 1000, "an empty chart");
+    let _ = std::fs::remove_dir_all(&out);
+}

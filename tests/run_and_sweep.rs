@@ -626,10 +626,21 @@ fn ctrl_c_ends_the_calls_flushes_and_summarises_whatever_the_node_did_with_signa
         "stubborn.py",
         &STUBBORN.replace("{dir:?}", &format!("{:?}", dir.to_string_lossy())),
     );
+    // Its own zygote forking the calls, then two lanes: each names the
+    // points it had in flight.
+    for lanes in ["1", "2"] {
+        for x in [3, 4] {
+            let _ = std::fs::remove_file(dir.join(format!("started-{x}")));
+        }
+        stop_a_sweep_with_two_points_in_flight(&dir, &stubborn, lanes);
+    }
+}
+
+fn stop_a_sweep_with_two_points_in_flight(dir: &Path, stubborn: &Path, lanes: &str) {
     let child = Command::new(ZYGOTE)
         .arg("sweep")
-        .arg(&stubborn)
-        .args(["--grid", "x=0..9", "-j", "2"])
+        .arg(stubborn)
+        .args(["--grid", "x=0..9", "-j", "2", "--lanes", lanes])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -660,7 +671,11 @@ fn ctrl_c_ends_the_calls_flushes_and_summarises_whatever_the_node_did_with_signa
         text.contains(
             "sweep: stopped by SIGINT after 3 of 10 calls (2 in flight ended, 5 not started)"
         ),
-        "{text}"
+        "--lanes {lanes}: {text}"
+    );
+    assert!(
+        text.contains("\n  in flight when stopped: #3 {\"x\":3}, #4 {\"x\":4}\n"),
+        "--lanes {lanes}: the points in flight named: {text}"
     );
     for pid in in_flight {
         assert!(wait_gone(pid, PATIENCE), "process {pid} outlived the sweep");
@@ -846,4 +861,286 @@ fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
         let expected: Vec<i64> = (1..=counts.len() as i64).collect();
         assert_eq!(*counts, expected, "each child counted its own calls");
     }
+}
+
+/// A node whose call `x == 2` starts `sleep 3600` (its pid written to
+/// `sleeper`), prints, and hangs; every call returns `[pid, calls this
+/// process served, whether the sleeper is gone]`, the last waited for
+/// (it must die while the sweep still runs) where `check` and `x > 2`.
+const HANGS: &str = "import os, select, subprocess, time
+DIR = {dir:?}
+CALLS = []
+def gone(pid):
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], 60)[0])
+    finally:
+        os.close(fd)
+def process(x, check):
+    CALLS.append(x)
+    if x == 2:
+        sleeper = subprocess.Popen(['sleep', '3600'])
+        with open(os.path.join(DIR, 'sleeper.tmp'), 'w') as f:
+            f.write(str(sleeper.pid))
+        os.rename(os.path.join(DIR, 'sleeper.tmp'), os.path.join(DIR, 'sleeper'))
+        print('hanging', flush=True)
+        time.sleep(3600)
+    sleeper_gone = None
+    if check and x > 2:
+        with open(os.path.join(DIR, 'sleeper')) as f:
+            sleeper_gone = gone(int(f.read()))
+    return [os.getpid(), len(CALLS), sleeper_gone]
+";
+
+fn hangs(dir: &Path) -> PathBuf {
+    node(
+        dir,
+        "hangs.py",
+        &HANGS.replace("{dir:?}", &format!("{:?}", dir.to_string_lossy())),
+    )
+}
+
+/// The pid of the `sleep 3600` the hung call started.
+fn sleeper(dir: &Path) -> i32 {
+    std::fs::read_to_string(dir.join("sleeper"))
+        .expect("the hung call started its subprocess")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_call_past_timeout_is_ended_with_what_it_started_and_the_sweep_goes_on() {
+    // Its own zygote forking the calls, two lanes, and a resident child
+    // serving them in turn; one call at a time where a later call checks,
+    // while the sweep runs, that the subprocess is gone.
+    let ways: [(&str, &[&str]); 3] = [
+        ("here", &["-j", "1", "--lanes", "1", "-k", "check=true"]),
+        ("lanes", &["-j", "2", "--lanes", "2", "-k", "check=false"]),
+        (
+            "in-turn",
+            &["-j", "1", "--isolation", "node", "-k", "check=true"],
+        ),
+    ];
+    for (way, args) in ways {
+        let dir = scratch(&format!("timeout-{way}"));
+        let node = hangs(&dir);
+        let mut all = vec!["--grid", "x=0..5", "--timeout", "1"];
+        all.extend_from_slice(args);
+        let output = sweep(&node, &all);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{way}: {text}");
+        let lines = lines(&output);
+        assert_eq!(lines.len(), 6, "{way}: every point has its line: {text}");
+        for line in &lines {
+            if line["index"] != 2 {
+                assert_eq!(line["ok"], true, "{way}: {line}");
+            }
+        }
+        let timed_out = &lines[2];
+        assert_eq!(timed_out["ok"], false, "{way}: {timed_out}");
+        let message = "the call ran past --timeout 1 s and was ended, with everything it started";
+        assert_eq!(
+            timed_out["error"],
+            json!({
+                "type": "NodeTimeout",
+                "message": message,
+                // As PROTOCOL.md section 2 has it for a process that ended
+                // without a reply: the message alone.
+                "short": message,
+                "traceback": "",
+            }),
+            "{way}"
+        );
+        assert_eq!(timed_out["logs"], "hanging\n", "{way}: what it printed");
+        assert!(text.contains("sweep: 6 calls, 1 failed"), "{way}: {text}");
+        assert!(
+            text.contains("\n  1 × NodeTimeout\n      #2 {\"check\":"),
+            "{way}: {text}"
+        );
+        assert!(
+            text.contains(&format!("x\":2}}: {message}")),
+            "{way}: {text}"
+        );
+        let sleeper = sleeper(&dir);
+        assert!(
+            wait_gone(sleeper, PATIENCE),
+            "{way}: the hung call's subprocess {sleeper} outlived it"
+        );
+        let results: Vec<&Value> = lines.iter().map(|l| &l["result"]).collect();
+        if args.contains(&"check=true") {
+            for result in &results[3..] {
+                assert_eq!(result[2], true, "{way}: gone while the sweep ran");
+            }
+        }
+        if way == "in-turn" {
+            // The resident that hung is gone; the next call got a fresh one.
+            assert_eq!(results[0][1], 1, "{results:?}");
+            assert_eq!(results[1][0], results[0][0], "{results:?}");
+            assert_ne!(results[3][0], results[0][0], "{results:?}");
+            assert_eq!(results[3][1], 1, "a fresh resident: {results:?}");
+            assert_eq!(results[5][0], results[3][0], "{results:?}");
+            assert_eq!(results[5][1], 3, "{results:?}");
+        }
+    }
+}
+
+#[test]
+fn run_ends_a_call_past_timeout() {
+    let dir = scratch("run-timeout");
+    let node = hangs(&dir);
+    let output = zygote(
+        "run",
+        &node,
+        &["-k", "x=2", "-k", "check=false", "--timeout", "1"],
+    );
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(output.stdout.is_empty(), "no result: {text}");
+    assert!(text.contains("hanging\n"), "{text}");
+    assert!(
+        text.contains(
+            "NodeTimeout: the call ran past --timeout 1 s and was ended, with everything it started"
+        ),
+        "{text}"
+    );
+    let sleeper = sleeper(&dir);
+    assert!(
+        wait_gone(sleeper, PATIENCE),
+        "the call's subprocess {sleeper} outlived it"
+    );
+    // A call within it is untouched.
+    let output = zygote(
+        "run",
+        &node,
+        &["-k", "x=0", "-k", "check=false", "--timeout", "30"],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+}
+
+/// numpy values of every kind, in a result, a yield and an emit; `nan`: a
+/// NaN in an array, returned; `emit-nan`: emitted.
+const NUMPY: &str = "import numpy as np, fluksio
+def process(kind):
+    if kind == 'nan':
+        return {'loss': np.array([0.5, float('nan')])}
+    if kind == 'emit-nan':
+        fluksio.emit(loss=np.array([float('nan')]))
+        return 'emitted'
+    yield {'step': np.int64(1), 'seen': np.arange(3)}
+    fluksio.emit(loss=np.float32(0.5), ok=np.bool_(False))
+    return {
+        'i': np.int64(3),
+        'f': np.float32(0.5),
+        'b': np.bool_(True),
+        'm': np.arange(6).reshape(2, 3),
+        'nested': [{'u': np.uint8(7), 'd': [np.float64(0.25), np.array(2.5)]}],
+    }
+";
+
+fn numpy_result() -> Value {
+    json!({
+        "i": 3,
+        "f": 0.5,
+        "b": true,
+        "m": [[0, 1, 2], [3, 4, 5]],
+        "nested": [{"u": 7, "d": [0.25, 2.5]}],
+    })
+}
+
+fn numpy_events() -> Vec<Value> {
+    vec![
+        json!({"event": "yield", "outputs": {"step": 1, "seen": [0, 1, 2]}}),
+        json!({"event": "emit", "outputs": {"loss": 0.5, "ok": false}}),
+    ]
+}
+
+#[test]
+fn numpy_values_are_sent_as_json_numbers_and_lists() {
+    let dir = scratch("numpy");
+    let numpy = node(&dir, "numpy_node.py", NUMPY);
+    let output = sweep(
+        &numpy,
+        &["--grid", "kind=all,nan,emit-nan", "-j", "1", "--lanes", "1"],
+    );
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    let lines = lines(&output);
+    assert_eq!(lines[0]["ok"], true, "{}", lines[0]);
+    assert_eq!(lines[0]["result"], numpy_result());
+    assert_eq!(lines[0]["events"], Value::from(numpy_events()));
+    // A NaN in an array is refused as any NaN is.
+    for line in &lines[1..] {
+        assert_eq!(line["ok"], false, "{line}");
+        assert_eq!(line["error"]["type"], "ValueError", "{line}");
+        let message = line["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("a NaN or an infinity, which JSON cannot carry"),
+            "{message}"
+        );
+    }
+    assert!(
+        lines[1]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("returned a NaN or an infinity"),
+        "{}",
+        lines[1]
+    );
+
+    let output = zygote("run", &numpy, &["-k", "kind=all"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stdout: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut expected = numpy_events();
+    expected.push(numpy_result());
+    assert_eq!(stdout, expected);
+    let output = zygote("run", &numpy, &["-k", "kind=nan"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(output.stdout.is_empty());
+    assert!(
+        stderr(&output).contains("returned a NaN or an infinity"),
+        "{}",
+        stderr(&output)
+    );
+}
+
+#[test]
+fn accepting_numpy_never_imports_it_for_a_node_that_did_not() {
+    let dir = scratch("no-numpy");
+    let plain = node(
+        &dir,
+        "plain.py",
+        "import sys, fluksio\ndef process(x):\n    try:\n        fluksio.emit(bad={x})\n    except TypeError as error:\n        return ['numpy' in sys.modules, str(error)]\n",
+    );
+    let output = sweep(&plain, &["--grid", "x=1", "--lanes", "1"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(
+        lines(&output)[0]["result"],
+        json!([false, "Object of type set is not JSON serializable"])
+    );
+}
+
+#[test]
+fn the_worker_contract_still_refuses_numpy_as_the_reference_does() {
+    let request = json!({
+        "id": 1, "op": "run", "flow": "t", "node": "np",
+        "source": "import numpy as np\ndef process():\n    return np.int64(3)\n",
+    });
+    let ours = common::Worker::zygote(&[]).call(&request).reply;
+    let theirs = common::Worker::reference().call(&request).reply;
+    assert_eq!(ours["ok"], false, "{ours}");
+    assert_eq!(ours["error"], theirs["error"]);
+    assert!(
+        ours["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("returned int64, which cannot be sent back as JSON"),
+        "{ours}"
+    );
 }

@@ -6,7 +6,9 @@ the side-by-side rows of `bench --workloads`.
 METHOD: joblib (joblib.Parallel, its default loky backend), fork or
 forkserver (concurrent.futures.ProcessPoolExecutor with that start
 method), loop (a for-loop in this process). OUT gets one line per point,
-{"index", "result"}, in index order.
+{"index", "result"}, in index order; the loop's lines also have "seconds",
+the point's own time in this process (perf_counter around the call alone:
+no start-up, no import, no transfer), which is what a point costs.
 """
 import concurrent.futures
 import importlib.util
@@ -14,6 +16,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 
 
 def load(path):
@@ -36,8 +39,13 @@ def main():
     with open(points) as lines:
         points = [json.loads(line) for line in lines if line.strip()]
     process = load(node)
+    seconds = None
     if method == "loop":
-        results = [process(**kwargs) for kwargs in points]
+        results, seconds = [], []
+        for kwargs in points:
+            start = time.perf_counter()
+            results.append(process(**kwargs))
+            seconds.append(time.perf_counter() - start)
     elif method == "joblib":
         from joblib import Parallel, delayed
 
@@ -50,7 +58,10 @@ def main():
         sys.exit(f"baseline.py: unknown method {method!r}")
     with open(out, "w") as sink:
         for index, result in enumerate(results):
-            sink.write(json.dumps({"index": index, "result": result}) + "\n")
+            line = {"index": index, "result": result}
+            if seconds is not None:
+                line["seconds"] = seconds[index]
+            sink.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ pub fn child_main(anon_kib: usize, calls: usize) -> ExitCode {
 }
 
 /// (CPU µs, minor faults) of `who`.
-fn rusage(who: libc::c_int) -> (u64, u64) {
+pub(crate) fn rusage(who: libc::c_int) -> (u64, u64) {
     // SAFETY: getrusage fills the zeroed struct it is given.
     let usage = unsafe {
         let mut usage: libc::rusage = std::mem::zeroed();

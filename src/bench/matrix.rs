@@ -309,7 +309,7 @@ pub fn run(options: &BenchOptions, scratch: &Scratch) -> Results {
     }
 }
 
-fn python_version(python: &Path) -> String {
+pub(crate) fn python_version(python: &Path) -> String {
     Command::new(python)
         .args(["-c", "import sys; print(sys.version.split()[0])"])
         .output()

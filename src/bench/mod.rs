@@ -19,6 +19,10 @@
 //! Markdown table and the targets, [`chart`] the PNG. A row that cannot run
 //! here (a feature not built yet, torch not installed) says why instead of
 //! failing the run.
+//!
+//! `bench --workloads` is the other comparison: real nodes (scikit-learn,
+//! scipy, pandas, numpy) end to end, ours against joblib, a process pool and
+//! a for-loop, in [`workloads`].
 
 pub mod chart;
 pub mod driver;
@@ -28,6 +32,7 @@ pub mod ours;
 pub mod procfs;
 pub mod reference;
 pub mod report;
+pub mod workloads;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -149,7 +154,7 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    fn new() -> Result<Scratch, String> {
+    pub(crate) fn new() -> Result<Scratch, String> {
         let dir = std::env::temp_dir().join(format!("fluksio-bench-{}", std::process::id()));
         std::fs::create_dir_all(&dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;

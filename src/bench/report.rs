@@ -151,7 +151,7 @@ fn against_floor(results: &Results, row: &Row, metric: &Metric) -> String {
 }
 
 /// The machine, for the report's header.
-fn machine() -> String {
+pub(crate) fn machine() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()

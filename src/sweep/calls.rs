@@ -19,6 +19,19 @@ use crate::zygote::{SpawnError, Zygote};
 /// and polling is seen within this.
 const WAKE_MS: u16 = 200;
 
+/// The error type of a call `--timeout` ended: the reference pool's.
+pub const NODE_TIMEOUT: &str = "NodeTimeout";
+
+/// The reply for call `id`, ended (with everything it started) because it
+/// ran past `timeout`; `logs`, what it printed until then.
+pub fn timed_out(id: &RawValue, timeout: Duration, logs: &str) -> Vec<u8> {
+    let message = format!(
+        "the call ran past --timeout {} s and was ended, with everything it started",
+        timeout.as_secs_f64()
+    );
+    protocol::ended_by_runtime(id, "", NODE_TIMEOUT, &message, logs)
+}
+
 /// What a node is, for its requests.
 pub struct Node {
     pub flow: String,
@@ -105,6 +118,17 @@ struct Running {
     control: Option<Claimed>,
 }
 
+/// How a call in flight ended this step.
+#[derive(Clone, Copy)]
+enum End {
+    /// Its child exited.
+    Exited,
+    /// A resident's call replied: the child stays for the next.
+    Replied,
+    /// It ran past `--timeout`, and was killed.
+    Overdue,
+}
+
 /// A resident child between two calls.
 struct Idle {
     flight: Flight,
@@ -120,6 +144,9 @@ pub struct Calls<'a> {
     /// the calls after it in turn, its module state kept.
     in_turn: bool,
     idle: Vec<Idle>,
+    /// `--timeout`: a call still running this long after it started is
+    /// ended, with everything it started (`NodeTimeout`).
+    timeout: Option<Duration>,
 }
 
 impl<'a> Calls<'a> {
@@ -131,7 +158,13 @@ impl<'a> Calls<'a> {
             running: Vec::new(),
             in_turn,
             idle: Vec::new(),
+            timeout: None,
         }
+    }
+
+    /// Ends each call still running `timeout` after it started (`--timeout`).
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
     }
 
     pub fn in_flight(&self) -> usize {
@@ -222,24 +255,45 @@ impl<'a> Calls<'a> {
                 call.control.is_some() && call.answer.replied_at.is_some() && !exited.contains(&i)
             })
             .collect();
-        let mut ended: Vec<(usize, bool)> = exited
-            .iter()
-            .map(|&i| (i, false))
-            .chain(replied.iter().map(|&i| (i, true)))
+        // Past `--timeout` with no reply: killed with its session here, its
+        // cell when it lands (as a stop ends a call), a resident too (the
+        // next call gets a fresh one, as after a crash).
+        let now = Instant::now();
+        let overdue: Vec<usize> = (0..self.running.len())
+            .filter(|&i| {
+                let call = &self.running[i];
+                call.answer.replied_at.is_none()
+                    && !exited.contains(&i)
+                    && self.deadline(call).is_some_and(|deadline| deadline <= now)
+            })
             .collect();
-        ended.sort_unstable();
+        for &i in &overdue {
+            crate::process::kill_group(self.running[i].flight.pid, Signal::SIGKILL);
+        }
+        let mut ended: Vec<(usize, End)> = exited
+            .iter()
+            .map(|&i| (i, End::Exited))
+            .chain(replied.iter().map(|&i| (i, End::Replied)))
+            .chain(overdue.iter().map(|&i| (i, End::Overdue)))
+            .collect();
+        ended.sort_unstable_by_key(|&(i, _)| i);
         let mut done = Vec::with_capacity(ended.len());
         // From the back, so the indices still to visit stay valid.
-        for &(i, stays) in ended.iter().rev() {
+        for &(i, end) in ended.iter().rev() {
             let call = self.running.swap_remove(i);
-            done.push(if stays {
-                self.between(call)
-            } else {
-                self.land(call)?
+            done.push(match end {
+                End::Replied => self.between(call),
+                End::Exited => self.land(call, false)?,
+                End::Overdue => self.land(call, true)?,
             });
         }
         done.reverse();
         Ok((done, also_ready))
+    }
+
+    /// When `call` is to be ended, under `--timeout`.
+    fn deadline(&self, call: &Running) -> Option<Instant> {
+        self.timeout.map(|timeout| call.flight.started + timeout)
     }
 
     /// A resident's call has replied: the call is done, the child waits
@@ -265,7 +319,9 @@ impl<'a> Calls<'a> {
         }
     }
 
-    fn land(&mut self, call: Running) -> Result<Done, String> {
+    /// Lands a call whose child exited, or, `overdue`, one killed for
+    /// running past `--timeout` (its reply says so, unless it had replied).
+    fn land(&mut self, call: Running, overdue: bool) -> Result<Done, String> {
         let Running {
             index,
             flight,
@@ -283,6 +339,8 @@ impl<'a> Calls<'a> {
         let id = raw(&index.to_string());
         if let (false, Some(too_large)) = (landed.replied, too_large) {
             answer.reply(&too_large.reply(&id, ""));
+        } else if let (false, true, Some(timeout)) = (landed.replied, overdue, self.timeout) {
+            answer.reply(&timed_out(&id, timeout, &landed.logs.text_lossy()));
         } else if !landed.replied {
             answer.reply(&protocol::ended_without_reply(
                 &id,
@@ -329,7 +387,7 @@ impl<'a> Calls<'a> {
         while let Some(call) = self.running.pop() {
             ended.push(call.index);
             // Landing kills its cell too (what left the session) and reaps.
-            let _ = self.land(call);
+            let _ = self.land(call, false);
         }
         ended.sort_unstable();
         ended
@@ -359,11 +417,25 @@ impl<'a> Calls<'a> {
             }
         }
         // Short without pidfds, so exits are asked about often enough.
-        let timeout = if self.running.iter().all(|c| c.flight.exit_poll().is_some()) {
+        let mut timeout = if self.running.iter().all(|c| c.flight.exit_poll().is_some()) {
             WAKE_MS
         } else {
             crate::zygote::flight::FALLBACK_POLL_MS.min(WAKE_MS)
         };
+        // Awake for the nearest `--timeout` (to the millisecond above it, so
+        // the wake finds it past).
+        let now = Instant::now();
+        if let Some(nearest) = self
+            .running
+            .iter()
+            .filter(|call| call.answer.replied_at.is_none())
+            .filter_map(|call| self.deadline(call))
+            .min()
+        {
+            let left = nearest.saturating_duration_since(now);
+            let millis = left.as_nanos().div_ceil(1_000_000);
+            timeout = timeout.min(millis.min(u128::from(u16::MAX)) as u16);
+        }
         match poll(&mut fds, PollTimeout::from(timeout)) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(format!("poll failed: {e}")),

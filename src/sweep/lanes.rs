@@ -16,9 +16,15 @@
 //!
 //! A lane dies with the sweep (a parent-death SIGKILL; the sweep's warden
 //! ends its cells). Stopped (Ctrl-C, a closed output), the sweep sends each
-//! lane SIGTERM: it ends its calls in flight and exits.
+//! lane SIGTERM: it ends its calls in flight and exits. The sweep keeps the
+//! indices it handed each lane until their results come back: those are
+//! the lane's calls in flight, named when it is stopped.
+//!
+//! `--timeout` is the lane's own to keep: its calls are forked, followed
+//! and killed there, and a call it ended comes back as any other, its reply
+//! a `NodeTimeout` failure.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::time::Duration;
 
@@ -55,7 +61,7 @@ struct Lane {
     /// Bytes of results not yet whole.
     inbox: Vec<u8>,
     /// Indices handed out whose results have not come back.
-    outstanding: usize,
+    outstanding: BTreeSet<usize>,
     /// Its share of the indices is handed out: its socket is shut for writing.
     closed: bool,
 }
@@ -68,14 +74,14 @@ pub struct Lanes {
 
 impl Lanes {
     /// Forks `count` lanes from `zygote`, which has the node loaded; each
-    /// serves `per_lane` calls in flight.
+    /// serves `per_lane` calls in flight, each ended past `timeout`.
     pub fn start(
         py: Python<'_>,
         zygote: &mut Zygote,
         node: &Node,
         calls: &Source,
-        count: usize,
-        per_lane: usize,
+        (count, per_lane): (usize, usize),
+        timeout: Option<Duration>,
     ) -> Result<Lanes, String> {
         let key = NodeKey {
             flow: node.flow.clone(),
@@ -84,14 +90,14 @@ impl Lanes {
         let mut lanes = Vec::with_capacity(count);
         for _ in 0..count {
             let lane = app::fork_own(py, zygote, &key, |py, zygote, link| {
-                serve(py, zygote, node, calls, link, per_lane)
+                serve(py, zygote, node, calls, link, (per_lane, timeout))
             })
             .map_err(|e| format!("could not fork a lane: {e}"))?;
             set_nonblocking(lane.raw_link());
             lanes.push(Lane {
                 lane,
                 inbox: Vec::new(),
-                outstanding: 0,
+                outstanding: BTreeSet::new(),
                 closed: false,
             });
         }
@@ -99,7 +105,7 @@ impl Lanes {
     }
 
     pub fn in_flight(&self) -> usize {
-        self.lanes.iter().map(|lane| lane.outstanding).sum()
+        self.lanes.iter().map(|lane| lane.outstanding.len()).sum()
     }
 
     /// Hands out indices from `next` up to `total`, to lanes with room;
@@ -110,14 +116,14 @@ impl Lanes {
             let Some(lane) = self
                 .lanes
                 .iter_mut()
-                .filter(|lane| lane.outstanding < self.per_lane)
-                .min_by_key(|lane| lane.outstanding)
+                .filter(|lane| lane.outstanding.len() < self.per_lane)
+                .min_by_key(|lane| lane.outstanding.len())
             else {
                 break;
             };
             write_all(lane.lane.raw_link(), &(*next as u64).to_le_bytes())
                 .map_err(|e| format!("a lane (pid {}) is gone: {e}", lane.lane.pid))?;
-            lane.outstanding += 1;
+            lane.outstanding.insert(*next);
             *next += 1;
         }
         for lane in &mut self.lanes {
@@ -156,13 +162,14 @@ impl Lanes {
             }
             let ended = read_available(lane.lane.raw_link(), &mut lane.inbox);
             while let Some(result) = take_result(&mut lane.inbox) {
-                lane.outstanding = lane.outstanding.saturating_sub(1);
+                lane.outstanding.remove(&result.index);
                 done.push(result);
             }
-            if ended && lane.outstanding > 0 {
+            if ended && !lane.outstanding.is_empty() {
                 return Err(format!(
                     "a lane (pid {}) ended with {} calls unfinished",
-                    lane.lane.pid, lane.outstanding
+                    lane.lane.pid,
+                    lane.outstanding.len()
                 ));
             }
         }
@@ -171,9 +178,15 @@ impl Lanes {
 
     /// Ends every lane, and with it its calls in flight: SIGTERM (it kills
     /// its calls, each with its cell, and exits), then waits for it. The
-    /// number of calls that were in flight.
-    pub fn stop(&mut self) -> usize {
-        let ended = self.in_flight();
+    /// indices of the calls that were in flight (handed out, no result
+    /// back), ascending.
+    pub fn stop(&mut self) -> Vec<usize> {
+        let mut ended: Vec<usize> = self
+            .lanes
+            .iter()
+            .flat_map(|lane| lane.outstanding.iter().copied())
+            .collect();
+        ended.sort_unstable();
         for lane in &self.lanes {
             let _ = nix::sys::signal::kill(lane.lane.pid, nix::sys::signal::Signal::SIGTERM);
         }
@@ -196,10 +209,11 @@ fn serve(
     node: &Node,
     source: &Source,
     link: Claimed,
-    jobs: usize,
+    (jobs, timeout): (usize, Option<Duration>),
 ) -> i32 {
     set_nonblocking(link.as_raw_fd());
     let mut calls = Calls::new(zygote, node);
+    calls.set_timeout(timeout);
     let mut inbox = Vec::new();
     let mut queue: VecDeque<usize> = VecDeque::new();
     let mut no_more = false;

@@ -31,7 +31,7 @@ use std::io::{IsTerminal, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use serde_json::Value;
@@ -110,6 +110,7 @@ pub fn run(options: &SweepOptions) -> ExitCode {
     let progress = stdout_is_terminal && std::io::stderr().is_terminal();
     signals::install();
     zygote::node::name_bad_values();
+    zygote::channel::accept_numpy();
     zygote::node::set_script(&options.node);
     zygote::run(
         &options.zygote,
@@ -144,7 +145,8 @@ pub fn run(options: &SweepOptions) -> ExitCode {
                 .jobs
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
                 .max(1);
-            let code = sweep(py, zygote, &prepared, (jobs, options.lanes), out, progress);
+            let shape = (jobs, options.lanes, options.timeout);
+            let code = sweep(py, zygote, &prepared, shape, out, progress);
             zygote.shutdown();
             code
         },
@@ -354,11 +356,13 @@ enum Stop {
     Failed(String),
 }
 
+/// Runs every call, `jobs` in flight, from `lanes` lanes, each ended past
+/// `timeout`; writes the lines and the summary; the exit code.
 fn sweep(
     py: Python<'_>,
     zygote: &mut Zygote,
     prepared: &Prepared,
-    (jobs, lanes): (usize, Option<usize>),
+    (jobs, lanes, timeout): (usize, Option<usize>, Option<Duration>),
     mut out: Output,
     progress: bool,
 ) -> ExitCode {
@@ -376,23 +380,28 @@ fn sweep(
     } else {
         lanes::shape(jobs.min(total.max(1)), lanes)
     };
+    let here = |zygote| {
+        let mut calls = Calls::new(zygote, &prepared.node);
+        calls.set_timeout(timeout);
+        Runner::Here(calls)
+    };
     let mut calls = if lane_count > 1 {
         match lanes::Lanes::start(
             py,
             zygote,
             &prepared.node,
             &prepared.calls,
-            lane_count,
-            per_lane,
+            (lane_count, per_lane),
+            timeout,
         ) {
             Ok(lanes) => Runner::Lanes(lanes),
             Err(message) => {
                 tracing::warn!("{message}; every call is forked from one zygote");
-                Runner::Here(Calls::new(zygote, &prepared.node))
+                here(zygote)
             }
         }
     } else {
-        Runner::Here(Calls::new(zygote, &prepared.node))
+        here(zygote)
     };
     let mut next = 0;
     let stop = loop {
@@ -450,7 +459,7 @@ fn sweep(
             fail("sweep", &message, 1)
         }
         Some(Stop::Signal(signal)) => {
-            summary.stopped = Some((signal, ended));
+            summary.stopped_by(signal, &ended, |index| prepared.calls.get(index));
             if let Err(error) = out.writer.flush()
                 && error.kind() == std::io::ErrorKind::BrokenPipe
             {
@@ -522,10 +531,10 @@ impl Runner<'_> {
         }
     }
 
-    /// Ends every call in flight; how many there were.
-    fn stop(&mut self) -> usize {
+    /// Ends every call in flight; their indices, ascending.
+    fn stop(&mut self) -> Vec<usize> {
         match self {
-            Runner::Here(calls) => calls.kill_all().len(),
+            Runner::Here(calls) => calls.kill_all(),
             Runner::Lanes(lanes) => lanes.stop(),
         }
     }

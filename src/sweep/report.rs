@@ -152,11 +152,23 @@ pub struct Summary {
     pub elapsed: Duration,
     pub latencies: Vec<Duration>,
     pub jobs: usize,
-    /// The signal that stopped it, and how many calls were ended unfinished.
-    pub stopped: Option<(i32, usize)>,
+    /// The signal that stopped it, and the calls it ended unfinished.
+    stopped: Option<Stopped>,
     /// By error type: how many, the first one's message, the first points.
     failures: BTreeMap<String, Failures>,
 }
+
+/// A sweep a signal stopped: the signal, and the calls in flight then.
+struct Stopped {
+    signal: i32,
+    /// How many were in flight.
+    ended: usize,
+    /// The first few: index, kwargs.
+    points: Vec<(usize, String)>,
+}
+
+/// How many of the points in flight when a sweep was stopped it names.
+const LISTED_IN_FLIGHT: usize = 10;
 
 #[derive(Default)]
 struct Failures {
@@ -182,6 +194,26 @@ impl Summary {
         }
     }
 
+    /// Stopped by `signal`, with calls `ended` (ascending) in flight, each
+    /// call's arguments read from `kwargs`.
+    pub fn stopped_by(
+        &mut self,
+        signal: i32,
+        ended: &[usize],
+        kwargs: impl Fn(usize) -> Map<String, Value>,
+    ) {
+        let points = ended
+            .iter()
+            .take(LISTED_IN_FLIGHT)
+            .map(|&index| (index, shorten(Value::Object(kwargs(index)).to_string())))
+            .collect();
+        self.stopped = Some(Stopped {
+            signal,
+            ended: ended.len(),
+            points,
+        });
+    }
+
     pub fn record(&mut self, done: &Done, kwargs: &Map<String, Value>, outcome: Outcome) {
         self.done += 1;
         self.latencies.push(done.duration);
@@ -201,10 +233,7 @@ impl Summary {
                 .short
                 .strip_prefix(&prefix)
                 .unwrap_or(&outcome.short);
-            let mut message = message.lines().next().unwrap_or("").to_string();
-            if message.chars().count() > MESSAGE_CHARS {
-                message = message.chars().take(MESSAGE_CHARS - 1).collect::<String>() + "…";
-            }
+            let message = shorten(message.lines().next().unwrap_or("").to_string());
             let kwargs = Value::Object(kwargs.clone()).to_string();
             failures.points.push((done.index, kwargs, message));
             failures.points.sort_by_key(|p| p.0);
@@ -221,16 +250,17 @@ impl std::fmt::Display for Summary {
         } else {
             0.0
         };
-        match self.stopped {
+        match &self.stopped {
             None => write!(f, "sweep: {} call{}", self.done, plural(self.done))?,
-            Some((signal, ended)) => write!(
+            Some(stopped) => write!(
                 f,
-                "sweep: stopped by {} after {} of {} calls ({ended} in flight ended, {} not \
+                "sweep: stopped by {} after {} of {} calls ({} in flight ended, {} not \
                  started)",
-                signal_name(signal),
+                signal_name(stopped.signal),
                 self.done,
                 self.total,
-                self.total - self.done - ended
+                stopped.ended,
+                self.total - self.done - stopped.ended
             )?,
         }
         write!(
@@ -243,6 +273,17 @@ impl std::fmt::Display for Summary {
             millis(percentile(&self.latencies, 0.99)),
             self.jobs.min(self.total.max(1))
         )?;
+        if let Some(stopped) = self.stopped.as_ref().filter(|s| !s.points.is_empty()) {
+            let points: Vec<String> = stopped
+                .points
+                .iter()
+                .map(|(index, kwargs)| format!("#{index} {kwargs}"))
+                .collect();
+            write!(f, "\n  in flight when stopped: {}", points.join(", "))?;
+            if stopped.ended > stopped.points.len() {
+                write!(f, ", … and {} more", stopped.ended - stopped.points.len())?;
+            }
+        }
         for (kind, failures) in &self.failures {
             write!(f, "\n  {} × {kind}", failures.count)?;
             for (index, kwargs, message) in &failures.points {
@@ -258,6 +299,14 @@ impl std::fmt::Display for Summary {
         }
         Ok(())
     }
+}
+
+/// `text`, cut to [`MESSAGE_CHARS`] characters, an ellipsis its last.
+fn shorten(text: String) -> String {
+    if text.chars().count() <= MESSAGE_CHARS {
+        return text;
+    }
+    text.chars().take(MESSAGE_CHARS - 1).collect::<String>() + "…"
 }
 
 fn plural(n: usize) -> &'static str {
@@ -344,5 +393,40 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("… and 1 more"), "{text}");
+    }
+
+    #[test]
+    fn a_stopped_sweep_names_its_points_in_flight() {
+        let kwargs = |x: usize| {
+            serde_json::from_value::<Map<String, Value>>(serde_json::json!({"x": x})).unwrap()
+        };
+        let mut summary = Summary::new(100, 12);
+        summary.stopped_by(2, &[12, 13], kwargs);
+        let text = summary.to_string();
+        assert!(
+            text.starts_with(
+                "sweep: stopped by SIGINT after 0 of 100 calls (2 in flight ended, 98 not started)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("\n  in flight when stopped: #12 {\"x\":12}, #13 {\"x\":13}"),
+            "{text}"
+        );
+        let ended: Vec<usize> = (20..32).collect();
+        summary.stopped_by(15, &ended, kwargs);
+        let text = summary.to_string();
+        assert!(
+            text.contains("(12 in flight ended, 88 not started)"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "in flight when stopped: #20 {\"x\":20}, #21 {\"x\":21}, #22 {\"x\":22}, #23 \
+                 {\"x\":23}, #24 {\"x\":24}, #25 {\"x\":25}, #26 {\"x\":26}, #27 {\"x\":27}, \
+                 #28 {\"x\":28}, #29 {\"x\":29}, … and 2 more"
+            ),
+            "{text}"
+        );
     }
 }

@@ -50,6 +50,7 @@ pub fn run(options: &RunOptions) -> ExitCode {
     };
     signals::install();
     zygote::node::name_bad_values();
+    zygote::channel::accept_numpy();
     zygote::node::set_script(&options.node);
     zygote::capture::tee_to_stderr();
     zygote::run(
@@ -70,6 +71,7 @@ pub fn run(options: &RunOptions) -> ExitCode {
             }
             signals::reinstall();
             let mut calls = Calls::new(zygote, &node);
+            calls.set_timeout(options.timeout);
             if let Err(message) = calls.start(py, 0, &call) {
                 return fail("run", &message, 1);
             }
@@ -149,7 +151,9 @@ fn finish(reply: &[u8], stdout: &mut impl Write) -> ExitCode {
         let _ = write!(std::io::stderr(), "{}", error.traceback);
         return ExitCode::FAILURE;
     }
-    let short = if error.short.is_empty() {
+    // A process that ended without a reply has `short` = `message`: its
+    // type goes in front here.
+    let short = if error.short.is_empty() || error.short == error.message {
         format!("{}: {}", error.kind, error.message)
     } else {
         error.short

@@ -11,7 +11,7 @@ use std::os::fd::RawFd;
 use std::sync::{Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyString};
@@ -57,7 +57,21 @@ pub fn not_finite(what: &str) -> String {
     )
 }
 
-/// `json.dumps(value)` or, with `allow_nan` false, the strict form.
+/// Whether numpy's scalars and arrays go out as the numbers, booleans and
+/// lists they hold (`run` and `sweep`). Off for the worker contract, which
+/// refuses them as the reference's `worker_main.py` does; set before any
+/// child is forked, so the zygote and every call see the same.
+static ACCEPT_NUMPY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Turns on [`ACCEPT_NUMPY`] in this process and the children it forks.
+pub fn accept_numpy() {
+    ACCEPT_NUMPY.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// `json.dumps(value)` or, with `allow_nan` false, the strict form; where
+/// [`accept_numpy`] is on, with numpy's values as the plain ones they hold
+/// ([`numpy_plain`]), held to the same rules (a NaN in an array is refused
+/// by the strict form as any NaN is).
 ///
 /// Through encoders made once: `json.dumps` with any argument but the
 /// value builds a new `JSONEncoder` per call, which a node yielding a
@@ -66,22 +80,87 @@ pub fn not_finite(what: &str) -> String {
 pub fn dumps<'py>(value: &Bound<'py, PyAny>, allow_nan: bool) -> PyResult<Bound<'py, PyString>> {
     static LENIENT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     static STRICT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static LENIENT_NUMPY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static STRICT_NUMPY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let py = value.py();
-    let encoder = |allow_nan: bool| -> PyResult<Py<PyAny>> {
+    let numpy = ACCEPT_NUMPY.load(std::sync::atomic::Ordering::Relaxed);
+    let encoder = || -> PyResult<Py<PyAny>> {
         let options = PyDict::new(py);
         options.set_item("allow_nan", allow_nan)?;
+        if numpy {
+            options.set_item("default", wrap_pyfunction!(numpy_default, py)?)?;
+        }
         let encoder = py
             .import("json")?
             .getattr("JSONEncoder")?
             .call((), Some(&options))?;
         Ok(encoder.getattr("encode")?.unbind())
     };
-    let encode = if allow_nan {
-        LENIENT.get_or_try_init(py, || encoder(true))?
-    } else {
-        STRICT.get_or_try_init(py, || encoder(false))?
+    let once = match (allow_nan, numpy) {
+        (true, false) => &LENIENT,
+        (false, false) => &STRICT,
+        (true, true) => &LENIENT_NUMPY,
+        (false, true) => &STRICT_NUMPY,
     };
+    let encode = once.get_or_try_init(py, encoder)?;
     Ok(encode.bind(py).call1((value,))?.cast_into::<PyString>()?)
+}
+
+/// The encoder's `default`: what [`numpy_plain`] makes of `value`, or the
+/// `TypeError` `json` raises itself (the caller names the value).
+#[pyfunction]
+fn numpy_default<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(plain) = numpy_plain(value)? {
+        return Ok(plain);
+    }
+    Err(PyTypeError::new_err(format!(
+        "Object of type {} is not JSON serializable",
+        value.get_type().name()?
+    )))
+}
+
+/// `value` as the plain Python values it holds, where it is a numpy scalar
+/// (`.item()`: `np.int64(3)` is `3`, `np.bool_(True)` is `True`) or array
+/// (`.tolist()`, nested lists of those); `None` for anything else, and for
+/// a scalar no plainer as an item (a `longdouble` stays one).
+///
+/// Always `None` where [`accept_numpy`] is off (the worker contract).
+/// numpy is never imported here: it is looked for in `sys.modules`, where
+/// any of its values has put it.
+pub fn numpy_plain<'py>(value: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    /// `numpy.generic` and `numpy.ndarray`, once numpy has been seen.
+    static TYPES: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
+    if !ACCEPT_NUMPY.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(None);
+    }
+    let py = value.py();
+    let types = match TYPES.get(py) {
+        Some(types) => types,
+        None => {
+            let numpy = py
+                .import("sys")
+                .and_then(|sys| sys.getattr("modules"))
+                .and_then(|modules| modules.get_item("numpy"));
+            // Not imported (or blocked, or something else by that name).
+            let found =
+                numpy.and_then(|numpy| Ok((numpy.getattr("generic")?, numpy.getattr("ndarray")?)));
+            let Ok((generic, ndarray)) = found else {
+                return Ok(None);
+            };
+            TYPES.get_or_init(py, || (generic.unbind(), ndarray.unbind()))
+        }
+    };
+    let (generic, ndarray) = (types.0.bind(py), types.1.bind(py));
+    // A value whose conversion fails is one JSON cannot carry, refused as
+    // such (the caller names it), whatever `item` or `tolist` raised.
+    if value.is_instance(generic)? {
+        let item = value.call_method0(pyo3::intern!(py, "item")).ok();
+        return Ok(item.filter(|item| !item.is_instance(generic).unwrap_or(true)));
+    }
+    if value.is_instance(ndarray)? {
+        return Ok(value.call_method0(pyo3::intern!(py, "tolist")).ok());
+    }
+    Ok(None)
 }
 
 /// `json.loads(text)`.

@@ -300,6 +300,7 @@ pub fn stand_by<'a>(
     logs.capture_here();
     let _ = capture::redirect_stdio(py);
     let _ = py.import("gc").and_then(|gc| gc.call_method0("enable"));
+    super::learn::remember_modules(py);
     let _ = rehearse(py);
     finish::rehearse(py);
     for function in functions {
@@ -345,8 +346,8 @@ pub fn serve(
         .then(anonymous_memory_mib)
         .flatten();
     let mut loaded = None;
-    let outcome =
-        apply_env(py, &call.env).and_then(|()| perform(py, call, function, logs, &mut loaded));
+    let outcome = apply_env(py, &call.env, false)
+        .and_then(|()| perform(py, call, function, logs, &mut loaded));
     let heavy = before.is_some_and(|before| {
         heavy_from_mib().is_some_and(|limit| {
             anonymous_memory_mib().is_some_and(|after| after.saturating_sub(before) >= limit)
@@ -380,6 +381,10 @@ pub fn serve(
         logs.set_report(&super::warmup::refusal_report(&why));
     }
     let reply = encode_reply(py, call, outcome);
+    if call.task == Task::Run {
+        // Before the reply: a replied child is killed at once.
+        super::learn::report(py, logs);
+    }
     let _ = channel::send_reply(py, &reply);
     if call.task == Task::Run {
         // What is left is the teardown of a process the zygote's size
@@ -439,8 +444,9 @@ pub(super) fn exit(code: i32) -> ! {
 }
 
 /// The call's environment, through `os.environ` so Python and C both see it;
-/// then the thread pools loaded already sized as it says (`threads`).
-pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)]) -> PyResult<()> {
+/// then the thread pools loaded already sized as it says (`threads`; in a
+/// resident, `again`, with those its earlier calls loaded).
+pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)], again: bool) -> PyResult<()> {
     if env.is_empty() {
         return Ok(());
     }
@@ -448,7 +454,7 @@ pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)]) -> PyResult<()
     for (key, value) in env {
         environ.set_item(key, value)?;
     }
-    super::threads::follow_environment();
+    super::threads::follow_environment(again);
     Ok(())
 }
 

@@ -25,6 +25,7 @@ pub mod finish;
 pub mod flight;
 pub mod fork;
 pub mod interpreter;
+pub mod learn;
 pub mod node;
 pub mod plumbing;
 pub mod recovery;
@@ -216,6 +217,9 @@ pub struct Zygote {
     fork_cost: std::time::Duration,
     /// Set when forking became unsafe; the owner must restart the zygote.
     needs_recovery: bool,
+    /// When it started: a module file newer than this is never learned
+    /// (`learn`).
+    started: std::time::SystemTime,
 }
 
 /// The zygote must re-execute itself before it serves anything else (see
@@ -265,6 +269,7 @@ impl Zygote {
         settle_baseline(py, &options.preload)?;
         child::set_heavy_from_mib(options.node_zygote_mib);
         threads::configure(options.threads_per_call);
+        learn::enable(options.learn_imports);
         let gc = py.import("gc")?;
         gc.call_method0("disable")?;
         gc.call_method0("freeze")?;
@@ -280,6 +285,7 @@ impl Zygote {
             residents: HashMap::new(),
             fork_cost: std::time::Duration::from_millis(1),
             needs_recovery: false,
+            started: std::time::SystemTime::now(),
         })
     }
 

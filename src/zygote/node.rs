@@ -428,6 +428,10 @@ fn bad_value(value: &Bound<'_, PyAny>, path: String, depth: usize) -> Option<Str
         }
         return None;
     }
+    // Under run and sweep a numpy value is sent as what it converts to.
+    if let Ok(Some(plain)) = super::channel::numpy_plain(value) {
+        return bad_value(&plain, path, depth + 1);
+    }
     let name = type_name(value);
     let article = if name.starts_with(['a', 'e', 'i', 'o', 'u']) {
         "an"

@@ -176,7 +176,7 @@ pub(super) fn serve_in_turn(
             super::channel::open(reply_fd, &call.call_id);
         }
         first_call = false;
-        let outcome = child::apply_env(py, &call.env)
+        let outcome = child::apply_env(py, &call.env, true)
             .and_then(|()| child::invoke(py, &call, &function))
             .map(Some);
         answer(py, &call, outcome);

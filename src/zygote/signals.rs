@@ -255,6 +255,15 @@ pub fn remember_preloads(installed: Installed) {
     }
 }
 
+/// Adds what modules imported into the zygote later installed (learned
+/// preloads, `super::learn`) to what the preloads did, for every call.
+pub fn add_to_preloads(installed: Installed) {
+    if let Some(state) = state().as_mut() {
+        state.preloads.python.extend(installed.python);
+        state.preloads.kernel.extend(installed.kernel);
+    }
+}
+
 /// Keeps what node `module`'s loading installed, for its calls.
 pub fn remember_node(module: &str, installed: Installed) {
     if let Some(state) = state().as_mut() {

@@ -59,6 +59,8 @@ pub(super) struct Children {
     landing: Vec<Landing>,
     /// Log buffers of reaped calls, for the next ones.
     spare_logs: Vec<LogBuffer>,
+    /// What the calls taken back imported (`super::learn`).
+    pub(super) learned: super::learn::Learned,
 }
 
 /// Replied children the zygote lets exit in their own time before it waits
@@ -76,7 +78,9 @@ impl Children {
         }
     }
 
+    /// Takes back a landed call's log buffer, with what its report says.
     pub(super) fn recycle(&mut self, logs: LogBuffer) {
+        self.learned.take(&logs.take_report());
         self.spare_logs.push(logs);
     }
 
@@ -114,7 +118,7 @@ impl Children {
     /// keeps its log buffer for another call.
     fn reap(&mut self, landing: Landing) {
         let _ = process::reap(landing.pid);
-        self.spare_logs.push(landing.logs);
+        self.recycle(landing.logs);
     }
 
     fn discard(&mut self, standby: Standby) {
@@ -246,6 +250,7 @@ impl Zygote {
     /// for it): one per call once full, so each has a whole call's time to
     /// set itself up before it is needed.
     pub fn replenish(&mut self, py: Python<'_>) {
+        self.learn(py);
         while self.children.standby.len() < self.standby {
             match self.fork_standby(py) {
                 Ok(next) => self.children.standby.push_back(next),
@@ -256,6 +261,30 @@ impl Zygote {
                     return;
                 }
             }
+        }
+    }
+
+    /// Imports here what calls imported, once a child has tried it
+    /// (`super::learn`): the children forked after start with it.
+    fn learn(&mut self, py: Python<'_>) {
+        let Ok(logs) = self.children.fresh_logs() else {
+            return;
+        };
+        let imports =
+            super::learn::try_in_child(py, &mut self.children.learned, &logs, self.started);
+        self.children.spare_logs.push(logs);
+        let Some(names) = imports.filter(|names| !names.is_empty()) else {
+            return;
+        };
+        let imported =
+            super::quietly(py, || Ok(super::learn::import_here(py, &names))).unwrap_or(0);
+        if imported > 0 {
+            tracing::debug!(
+                "learned {imported} modules the calls imported: {}",
+                names.join(", ")
+            );
+            // Standbys forked before do not have them.
+            self.generation += 1;
         }
     }
 
@@ -276,6 +305,8 @@ impl Zygote {
             }
         };
         freeze_gc(py);
+        // Found here once, for every child (`threads`).
+        super::threads::find_pools();
         let forking = Instant::now();
         let forked = fork::fork(py);
         if !matches!(forked, Ok(fork::Forked::Child)) {

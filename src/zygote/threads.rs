@@ -309,7 +309,25 @@ fn symbol(handle: *mut c_void, name: &str) -> Option<*mut c_void> {
     (!address.is_null()).then_some(address)
 }
 
-/// The paths of the shared objects loaded in this process.
+/// How many shared objects are loaded in this process.
+fn loaded_count() -> usize {
+    unsafe extern "C" fn each(
+        _info: *mut libc::dl_phdr_info,
+        _size: libc::size_t,
+        data: *mut c_void,
+    ) -> c_int {
+        // SAFETY: `data` is the counter handed to dl_iterate_phdr below.
+        unsafe { *data.cast::<usize>() += 1 };
+        0
+    }
+    let mut count: usize = 0;
+    // SAFETY: the callback only increments `count`, which outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each), (&mut count as *mut usize).cast()) };
+    count
+}
+
+/// The paths of the shared objects loaded in this process (the main
+/// program and the vDSO, which have no path, left out).
 fn loaded_libraries() -> Vec<CString> {
     unsafe extern "C" fn each(
         info: *mut libc::dl_phdr_info,
@@ -336,11 +354,36 @@ fn loaded_libraries() -> Vec<CString> {
     paths
 }
 
+/// The pools the zygote found before it forked, and how many shared
+/// objects were loaded then. Found in the zygote, not in each child: the
+/// search (`dlopen` of each library) writes to the loader's tables, about
+/// 150 copy-on-write faults in every child that did it.
+static FOUND: std::sync::Mutex<Option<(usize, Vec<Pool>)>> = std::sync::Mutex::new(None);
+
+/// In the zygote, before a fork: finds the loaded pools, again only where
+/// libraries were loaded since.
+pub fn find_pools() {
+    let count = loaded_count();
+    let mut found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
+    if found.as_ref().is_none_or(|(seen, _)| *seen != count) {
+        *found = Some((count, loaded_pools()));
+    }
+}
+
 /// In a call's child, once the call's environment is in place and before
 /// node code runs: every loaded pool sized as its variables now say.
-pub fn follow_environment() {
+/// `again`: look for pools loaded since the fork (a resident's earlier
+/// calls, a node loaded in the child).
+pub fn follow_environment(again: bool) {
     let read = |name: &str| std::env::var(name).ok();
-    for pool in loaded_pools() {
+    if again {
+        find_pools();
+    }
+    let found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_, pools)) = found.as_ref() else {
+        return;
+    };
+    for pool in pools {
         if let Some(threads) = pool.kind.wanted(read) {
             pool.set_threads(threads);
         }

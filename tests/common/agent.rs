@@ -19,10 +19,23 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(url: &str, args: &[&str], env: &[(&str, &str)]) -> Agent {
-        let mut child = Command::new(ZYGOTE)
+        Agent::spawn(Command::new(ZYGOTE).envs(env.iter().copied()), url, args)
+    }
+
+    /// An agent that does not inherit these variables of the test's
+    /// environment.
+    pub fn start_without(url: &str, args: &[&str], removed: &[&str]) -> Agent {
+        let mut command = Command::new(ZYGOTE);
+        for name in removed {
+            command.env_remove(name);
+        }
+        Agent::spawn(&mut command, url, args)
+    }
+
+    fn spawn(command: &mut Command, url: &str, args: &[&str]) -> Agent {
+        let mut child = command
             .args(["agent", "--url", url, "--token", TOKEN])
             .args(args)
-            .envs(env.iter().copied())
             .env("FLUKSIO_AGENT_HEARTBEAT_S", "0.3")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
