@@ -653,7 +653,8 @@ struct SweepArgs {
     #[arg(long, value_name = "JSON", help_heading = "Calls")]
     kwargs: Option<String>,
 
-    /// Calls in flight at once [default: the number of CPUs]
+    /// Calls in flight at once [default: the number of CPUs]. Each call's BLAS and OpenMP
+    /// pools get the CPUs ÷ N threads, at least 1 (--threads-per-call sets it)
     #[arg(long, short = 'j', value_name = "N", value_parser = parse_jobs, help_heading = "Running")]
     jobs: Option<usize>,
 

@@ -451,10 +451,20 @@ pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)], again: bool) -
         return Ok(());
     }
     let environ = py.import("os")?.getattr("environ")?;
+    let mut changed = false;
     for (key, value) in env {
-        environ.set_item(key, value)?;
+        // A resident's calls mostly bring what the last one set.
+        let same = environ
+            .get_item(key)
+            .ok()
+            .and_then(|now| now.extract::<String>().ok())
+            .is_some_and(|now| now == *value);
+        if !same {
+            environ.set_item(key, value)?;
+            changed = true;
+        }
     }
-    super::threads::follow_environment(again);
+    super::threads::follow_environment(changed, again);
     Ok(())
 }
 

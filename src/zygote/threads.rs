@@ -373,11 +373,27 @@ pub fn find_pools() {
 /// In a call's child, once the call's environment is in place and before
 /// node code runs: every loaded pool sized as its variables now say.
 /// `again`: look for pools loaded since the fork (a resident's earlier
-/// calls, a node loaded in the child).
-pub fn follow_environment(again: bool) {
+/// calls, a node loaded in the child). Nothing to do where the environment
+/// did not `change` and no pool was loaded since.
+pub fn follow_environment(changed: bool, again: bool) {
     let read = |name: &str| std::env::var(name).ok();
     if again {
+        let before = FOUND
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|f| f.0);
         find_pools();
+        let after = FOUND
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|f| f.0);
+        if !changed && before == after {
+            return;
+        }
+    } else if !changed {
+        return;
     }
     let found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
     let Some((_, pools)) = found.as_ref() else {
@@ -390,14 +406,21 @@ pub fn follow_environment(again: bool) {
     }
 }
 
-/// Runs `f` with the loaded OpenMP and MKL pools at one thread, then puts
-/// back what they were asked before: for node code run in the zygote itself
-/// (a warm-up), where a pool that starts its threads would hang every
-/// child forked after it. (OpenBLAS stops its own pool at fork.)
+/// Runs `f` with the loaded OpenMP, MKL and OpenBLAS pools at one thread,
+/// then puts back what they were asked before: for node code run in the
+/// zygote itself (a warm-up), where an OpenMP pool that starts its threads
+/// would hang every child forked after it. (OpenBLAS stops its own pool at
+/// fork, but is kept from waking it here all the same.)
 pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
     let pools: Vec<Pool> = loaded_pools()
         .into_iter()
-        .filter(|pool| matches!(pool.kind, Kind::OpenMp | Kind::Mkl))
+        .filter(|pool| match pool.kind {
+            Kind::OpenMp | Kind::Mkl => true,
+            // Only where its count can be set without its setter, which
+            // would start its pool here.
+            Kind::OpenBlas => pool.openblas.is_some(),
+            Kind::Blis | Kind::FlexiBlas => false,
+        })
         .collect();
     let before: Vec<Option<usize>> = pools.iter().map(Pool::asked).collect();
     for pool in &pools {
@@ -413,12 +436,19 @@ pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
 }
 
 impl Pool {
-    /// What an OpenMP or MKL pool is asked to run on now.
+    /// What an OpenMP, MKL or OpenBLAS pool is asked to run on now.
     fn asked(&self) -> Option<usize> {
         let name = match self.kind {
             Kind::OpenMp => "omp_get_max_threads",
             Kind::Mkl => "MKL_Get_Max_Threads",
-            _ => return None,
+            Kind::OpenBlas => {
+                let (cpu_number, _) = self.openblas?;
+                // SAFETY: the library's own `int`, found by dlsym; one thread.
+                return usize::try_from(unsafe { *cpu_number })
+                    .ok()
+                    .filter(|&n| n > 0);
+            }
+            Kind::Blis | Kind::FlexiBlas => return None,
         };
         let get = symbol(self.handle, name)?;
         // SAFETY: both getters are `int f(void)`.
