@@ -371,6 +371,24 @@ pub fn failure_reply(
     message: &str,
     logs: &str,
 ) -> Vec<u8> {
+    failure_line(
+        id,
+        call_id,
+        kind,
+        message,
+        &format!("{kind}: {message}"),
+        logs,
+    )
+}
+
+fn failure_line(
+    id: &RawValue,
+    call_id: &str,
+    kind: &str,
+    message: &str,
+    short: &str,
+    logs: &str,
+) -> Vec<u8> {
     let reply = Failure {
         id,
         call_id,
@@ -378,7 +396,7 @@ pub fn failure_reply(
         error: ErrorBody {
             kind,
             message,
-            short: format!("{kind}: {message}"),
+            short: short.to_string(),
             traceback: "",
         },
         logs,
@@ -398,21 +416,7 @@ pub fn ended_by_runtime(
     message: &str,
     logs: &str,
 ) -> Vec<u8> {
-    let reply = Failure {
-        id,
-        call_id,
-        ok: false,
-        error: ErrorBody {
-            kind,
-            message,
-            short: message.to_string(),
-            traceback: "",
-        },
-        logs,
-    };
-    let mut line = serde_json::to_vec(&reply).expect("a reply of strings serialises");
-    line.push(b'\n');
-    line
+    failure_line(id, call_id, kind, message, message, logs)
 }
 
 /// The type a reply carries when the call's process ended without one. The

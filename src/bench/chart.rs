@@ -86,14 +86,7 @@ pub fn draw(results: &Results, path: &Path) -> Result<(), String> {
         root.present().map_err(|e| e.to_string())?;
     }
     write_png(path, &buffer, WIDTH, height)?;
-    if text {
-        Ok(())
-    } else {
-        Err(format!(
-            "no TrueType font found (tried {}): the PNG has bars but no labels",
-            FONTS.join(", ")
-        ))
-    }
+    labelled(text)
 }
 
 /// Registers the first font found; whether text can be drawn.
@@ -217,4 +210,17 @@ pub(crate) fn write_png(path: &Path, rgb: &[u8], width: u32, height: u32) -> Res
     let mut writer = encoder.write_header().map_err(|e| e.to_string())?;
     writer.write_image_data(rgb).map_err(|e| e.to_string())?;
     writer.finish().map_err(|e| e.to_string())
+}
+
+/// A chart drawn `text` or not: without a font it has bars but no labels,
+/// which the report says.
+pub fn labelled(text: bool) -> Result<(), String> {
+    if text {
+        Ok(())
+    } else {
+        Err(format!(
+            "no TrueType font found (tried {}): the PNG has bars but no labels",
+            FONTS.join(", ")
+        ))
+    }
 }

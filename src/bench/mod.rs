@@ -104,19 +104,9 @@ impl Counts {
 /// the table. Exit 0 when the report was written (rows that could not run
 /// say so in it), 2 when it could not be.
 pub fn run(options: &BenchOptions) -> ExitCode {
-    if let Err(message) = std::fs::create_dir_all(&options.out) {
-        eprintln!(
-            "fluksio-zygote bench: cannot create {}: {message}",
-            options.out.display()
-        );
-        return ExitCode::from(2);
-    }
-    let scratch = match Scratch::new() {
+    let scratch = match prepare(&options.out) {
         Ok(scratch) => scratch,
-        Err(message) => {
-            eprintln!("fluksio-zygote bench: {message}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     let results = matrix::run(options, &scratch);
     let stem = format!("bench-{}", preload_slug(&options.preload));
@@ -126,8 +116,12 @@ pub fn run(options: &BenchOptions) -> ExitCode {
         Err(message) => Some(format!("chart not drawn: {message}")),
     };
     let markdown = report::markdown(options, &results, &png, chart_note.as_deref());
-    let md = options.out.join(format!("{stem}.md"));
-    if let Err(message) = std::fs::write(&md, &markdown) {
+    publish(&options.out.join(format!("{stem}.md")), &markdown, &png)
+}
+
+/// Writes the report, prints it, and says where it and the chart are.
+pub fn publish(md: &Path, markdown: &str, png: &Path) -> ExitCode {
+    if let Err(message) = std::fs::write(md, markdown) {
         eprintln!(
             "fluksio-zygote bench: cannot write {}: {message}",
             md.display()
@@ -137,6 +131,22 @@ pub fn run(options: &BenchOptions) -> ExitCode {
     println!("{markdown}");
     eprintln!("bench: wrote {} and {}", md.display(), png.display());
     ExitCode::SUCCESS
+}
+
+/// Makes `--out` and a scratch directory for a run; what to exit with if
+/// either cannot be (the reason is on stderr).
+pub fn prepare(out: &Path) -> Result<Scratch, ExitCode> {
+    if let Err(message) = std::fs::create_dir_all(out) {
+        eprintln!(
+            "fluksio-zygote bench: cannot create {}: {message}",
+            out.display()
+        );
+        return Err(ExitCode::from(2));
+    }
+    Scratch::new().map_err(|message| {
+        eprintln!("fluksio-zygote bench: {message}");
+        ExitCode::from(2)
+    })
 }
 
 /// `numpy,pandas` → `numpy+pandas`; nothing preloaded → `bare`.

@@ -39,18 +39,7 @@ pub fn markdown(
     );
     out.push_str(&table(results));
     out.push('\n');
-    match chart_note {
-        None => {
-            let name = png
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let _ = writeln!(out, "![the same rows, as bars]({name})\n");
-        }
-        Some(note) => {
-            let _ = writeln!(out, "({note})\n");
-        }
-    }
+    chart_line(&mut out, png, chart_note, "the same rows, as bars");
     out.push_str("## Issue 8's targets, as measured in this run\n\n");
     for line in targets(results) {
         let _ = writeln!(out, "- {line}");
@@ -339,4 +328,20 @@ pub fn targets(results: &Results) -> Vec<String> {
         ),
     ]);
     lines
+}
+
+/// The chart's line in a report: the PNG beside it, or why it is not.
+pub fn chart_line(out: &mut String, png: &std::path::Path, chart_note: Option<&str>, alt: &str) {
+    match chart_note {
+        None => {
+            let name = png
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let _ = writeln!(out, "![{alt}]({name})\n");
+        }
+        Some(note) => {
+            let _ = writeln!(out, "({note})\n");
+        }
+    }
 }

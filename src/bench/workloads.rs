@@ -285,19 +285,9 @@ pub fn run(options: &WorkloadOptions) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    if let Err(message) = std::fs::create_dir_all(&options.out) {
-        eprintln!(
-            "fluksio-zygote bench: cannot create {}: {message}",
-            options.out.display()
-        );
-        return ExitCode::from(2);
-    }
-    let scratch = match Scratch::new() {
+    let scratch = match super::prepare(&options.out) {
         Ok(scratch) => scratch,
-        Err(message) => {
-            eprintln!("fluksio-zygote bench: {message}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     let runner = runner::Runner::new(options);
     let load_before = load_average();
@@ -316,17 +306,7 @@ pub fn run(options: &WorkloadOptions) -> ExitCode {
         Err(message) => Some(format!("chart not drawn: {message}")),
     };
     let markdown = report::markdown(options, &results, &png, chart_note.as_deref());
-    let md = options.out.join("workloads.md");
-    if let Err(message) = std::fs::write(&md, &markdown) {
-        eprintln!(
-            "fluksio-zygote bench: cannot write {}: {message}",
-            md.display()
-        );
-        return ExitCode::from(2);
-    }
-    println!("{markdown}");
-    eprintln!("bench: wrote {} and {}", md.display(), png.display());
-    ExitCode::SUCCESS
+    super::publish(&options.out.join("workloads.md"), &markdown, &png)
 }
 
 /// One workload, every row, then the rows' results compared.

@@ -15,7 +15,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::report::{CALL_LONG_TARGET, CALL_SHORT_TARGET, LONG_POINT_MS, NODE_TARGET};
 use super::{Results, Way, WorkloadResult};
-use crate::bench::chart::{FONTS, load_font, number, write_png};
+use crate::bench::chart::{load_font, number, write_png};
 use crate::bench::factor_text;
 
 const WIDTH: u32 = 1400;
@@ -79,14 +79,7 @@ pub fn draw(results: &Results, path: &Path) -> Result<(), String> {
         root.present().map_err(|e| e.to_string())?;
     }
     write_png(path, &buffer, WIDTH, HEIGHT)?;
-    if text {
-        Ok(())
-    } else {
-        Err(format!(
-            "no TrueType font found (tried {}): the PNG has bars but no labels",
-            FONTS.join(", ")
-        ))
-    }
+    crate::bench::chart::labelled(text)
 }
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;

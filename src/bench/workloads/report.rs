@@ -59,18 +59,12 @@ pub fn markdown(
     let _ = writeln!(out, "{:e}.\n", compare::RELATIVE_TOLERANCE);
     out.push_str(&table(results));
     out.push('\n');
-    match chart_note {
-        None => {
-            let name = png
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let _ = writeln!(out, "![wall time against joblib's, per workload]({name})\n");
-        }
-        Some(note) => {
-            let _ = writeln!(out, "({note})\n");
-        }
-    }
+    crate::bench::report::chart_line(
+        &mut out,
+        png,
+        chart_note,
+        "wall time against joblib's, per workload",
+    );
     out.push_str("## Targets, as measured in this run\n\n");
     out.push_str(&targets(results));
     out.push_str("\n## How each row ran\n\n");
