@@ -166,6 +166,11 @@ impl Learned {
         }
     }
 
+    /// Whether calls imported something not yet tried.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// The next batch to try, in the order the calls imported them, minus
     /// what this process has meanwhile.
     fn next_batch(&mut self, py: Python<'_>) -> Vec<String> {

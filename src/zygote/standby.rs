@@ -267,6 +267,9 @@ impl Zygote {
     /// Imports here what calls imported, once a child has tried it
     /// (`super::learn`): the children forked after start with it.
     fn learn(&mut self, py: Python<'_>) {
+        if !self.children.learned.has_pending() {
+            return;
+        }
         let Ok(logs) = self.children.fresh_logs() else {
             return;
         };

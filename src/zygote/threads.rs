@@ -149,7 +149,7 @@ struct Pool {
     kind: Kind,
     /// The library's handle (`dlopen` of a loaded library, never closed).
     handle: *mut c_void,
-    set: unsafe extern "C" fn(c_int),
+    set: Setter,
     /// OpenBLAS only: its `blas_cpu_number` and `blas_num_threads` (see
     /// [`Pool::set_threads`]).
     openblas: Option<(*mut c_int, *const c_int)>,
@@ -159,6 +159,13 @@ struct Pool {
 // calls into them.
 unsafe impl Send for Pool {}
 unsafe impl Sync for Pool {}
+
+/// A pool's setter, by the width of its argument.
+#[derive(Clone, Copy)]
+enum Setter {
+    Int(unsafe extern "C" fn(c_int)),
+    Wide(unsafe extern "C" fn(i64)),
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -253,7 +260,12 @@ impl Pool {
         }
         // SAFETY: a setter of this signature, found by name in a loaded
         // library, called on the thread that will run node code.
-        unsafe { (self.set)(threads) };
+        unsafe {
+            match self.set {
+                Setter::Int(set) => set(threads),
+                Setter::Wide(set) => set(i64::from(threads)),
+            }
+        }
     }
 }
 
@@ -280,8 +292,17 @@ fn loaded_pools() -> Vec<Pool> {
         let Some(set) = kind.setters().iter().find_map(|name| symbol(handle, name)) else {
             continue;
         };
-        // SAFETY: every setter of these libraries is `void f(int)`.
-        let set: unsafe extern "C" fn(c_int) = unsafe { std::mem::transmute(set) };
+        let set = if kind == Kind::Blis {
+            // SAFETY: BLIS's setter is `void f(dim_t)`, a 64-bit integer.
+            Setter::Wide(unsafe {
+                std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i64)>(set)
+            })
+        } else {
+            // SAFETY: every other setter here is `void f(int)`.
+            Setter::Int(unsafe {
+                std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int)>(set)
+            })
+        };
         let openblas = (kind == Kind::OpenBlas)
             .then(|| {
                 let cpu_number = symbol(handle, "blas_cpu_number")?;
