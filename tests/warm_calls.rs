@@ -41,6 +41,13 @@ fn ours(env: &[(&str, &str)]) -> Command {
     command
 }
 
+/// `fluksio-zygote worker` under [`ours`]' environment.
+fn start_worker(env: &[(&str, &str)]) -> Worker {
+    let mut command = ours(env);
+    command.arg("worker");
+    Worker::spawn(command)
+}
+
 fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -200,31 +207,19 @@ fn threads_per_call_overrides_the_share_and_the_users_variables() {
 fn a_worker_gives_its_one_call_every_cpu_unless_told_otherwise() {
     let source = budget_node(Path::new("/nonexistent"));
     let request = common::run(1, "budget", &source, json!({}));
-    let mut worker = Worker::spawn({
-        let mut command = ours(&[("FLUKSIO_PRELOAD", preload())]);
-        command.arg("worker");
-        command
-    });
+    let mut worker = start_worker(&[("FLUKSIO_PRELOAD", preload())]);
     assert_budget(&worker.call(&request).reply["result"], share(1), None);
     // The pool drop-in, whose size the worker cannot see, says it.
-    let mut worker = Worker::spawn({
-        let mut command = ours(&[
-            ("FLUKSIO_PRELOAD", preload()),
-            ("FLUKSIO_THREADS_PER_CALL", "1"),
-        ]);
-        command.arg("worker");
-        command
-    });
+    let mut worker = start_worker(&[
+        ("FLUKSIO_PRELOAD", preload()),
+        ("FLUKSIO_THREADS_PER_CALL", "1"),
+    ]);
     assert_budget(&worker.call(&request).reply["result"], 1, None);
     // A variable the user set is theirs.
-    let mut worker = Worker::spawn({
-        let mut command = ours(&[
-            ("FLUKSIO_PRELOAD", preload()),
-            ("OPENBLAS_NUM_THREADS", "1"),
-        ]);
-        command.arg("worker");
-        command
-    });
+    let mut worker = start_worker(&[
+        ("FLUKSIO_PRELOAD", preload()),
+        ("OPENBLAS_NUM_THREADS", "1"),
+    ]);
     assert_budget(&worker.call(&request).reply["result"], share(1), Some(1));
 }
 
@@ -234,16 +229,12 @@ fn pool_slots_sharing_a_zygote_share_the_cpus_among_their_calls_in_flight() {
     let gate = dir.join("gate");
     let source = budget_node(&gate);
     let slot = || {
-        Worker::spawn({
-            let mut command = ours(&[
-                ("FLUKSIO_PRELOAD", preload()),
-                ("FLUKSIO_SHARED_ZYGOTE", "1"),
-                ("FLUKSIO_TEST_SCOPE", "budget-slots"),
-                ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "1"),
-            ]);
-            command.arg("worker");
-            command
-        })
+        start_worker(&[
+            ("FLUKSIO_PRELOAD", preload()),
+            ("FLUKSIO_SHARED_ZYGOTE", "1"),
+            ("FLUKSIO_TEST_SCOPE", "budget-slots"),
+            ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "1"),
+        ])
     };
     let (mut first, mut second) = (slot(), slot());
     // The first call, started (its event says so), stays in flight until
@@ -309,11 +300,7 @@ fn a_module_earlier_calls_imported_is_loaded_when_a_later_calls_child_starts() {
         "off: every call imports it"
     );
     // The same under the worker contract.
-    let mut worker = Worker::spawn({
-        let mut command = ours(&[]);
-        command.arg("worker");
-        command
-    });
+    let mut worker = start_worker(&[]);
     let had: Vec<Value> = (0..8)
         .map(|i| {
             worker
@@ -371,11 +358,7 @@ fn a_cache_a_warm_up_filled_is_seen_by_every_call() {
 #[test]
 fn a_node_asks_for_its_own_warm_up_in_the_worker_and_the_agent() {
     let source = format!("__fluksio_warmup__ = {{'x': 0}}\n{CACHED}");
-    let mut worker = Worker::spawn({
-        let mut command = ours(&[]);
-        command.arg("worker");
-        command
-    });
+    let mut worker = start_worker(&[]);
     for id in 1..4 {
         let reply = worker.call(&common::run(id, "cached", &source, json!({"x": id})));
         assert_eq!(reply.reply["result"], json!([0]), "{:?}", reply);
@@ -399,11 +382,7 @@ const THREADED: &str = "import threading, time\nSTATE = []\n__fluksio_warmup__ =
 
 #[test]
 fn a_warm_up_that_leaves_a_thread_is_refused_and_the_zygote_serves_on() {
-    let mut worker = Worker::spawn({
-        let mut command = ours(&[]);
-        command.arg("worker");
-        command
-    });
+    let mut worker = start_worker(&[]);
     let compiled = worker.call(&common::compile(1, "threaded", THREADED));
     assert_eq!(compiled.reply["ok"], true, "the node itself loads");
     for id in 2..5 {

@@ -145,6 +145,7 @@ pub fn env_for(call_env: &[(String, String)]) -> Vec<(String, String)> {
 }
 
 /// A numeric library's thread pool, loaded in this process.
+#[derive(Clone)]
 struct Pool {
     kind: Kind,
     /// The library's handle (`dlopen` of a loaded library, never closed).
@@ -433,7 +434,11 @@ pub fn follow_environment(changed: bool, again: bool) {
 /// would hang every child forked after it. (OpenBLAS stops its own pool at
 /// fork, but is kept from waking it here all the same.)
 pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
-    let pools: Vec<Pool> = loaded_pools()
+    find_pools();
+    let found = FOUND.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let pools: Vec<Pool> = found
+        .map(|(_, pools)| pools)
+        .unwrap_or_default()
         .into_iter()
         .filter(|pool| match pool.kind {
             Kind::OpenMp | Kind::Mkl => true,
