@@ -19,15 +19,13 @@
 
 mod support;
 
-use support::{ZYGOTE, flag, python};
+use support::driver::LineWorker;
+use support::reference::Reference;
+use support::{Side, Stats, ZYGOTE, factor_text, flag, floor, ms, procfs, python, winner};
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
-
-use fluksio_zygote::bench::driver::LineWorker;
-use fluksio_zygote::bench::reference::Reference;
-use fluksio_zygote::bench::{Side, Stats, factor_text, floor, ms, procfs, winner};
 
 /// The directory holding `fluksio_worker/worker_main.py`.
 const REFERENCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/reference");
@@ -147,7 +145,7 @@ fn python_fork(python: &PathBuf, preload: &str, calls: usize) -> Stats {
 }
 
 /// A worker with the trivial node compiled (which also waits for its
-/// preloads), the bench subcommand's client: `fluksio_zygote::bench::driver`.
+/// preloads), the comparison bench's client: `support::driver`.
 fn started(mut command: Command, source: &str) -> LineWorker {
     command.env("RUST_LOG", "warn");
     let log = std::env::temp_dir().join(format!("bench-worker-{}.log", std::process::id()));
@@ -183,8 +181,8 @@ fn fresh_per_call(reference: &Reference, source: &str, calls: usize) -> Stats {
 }
 
 /// fork + `_exit` + `waitpid` of this (single-threaded) process holding
-/// `anon_kib` of touched anonymous memory in 4 KiB pages: the bench
-/// subcommand's floor, `fluksio_zygote::bench::floor`.
+/// `anon_kib` of touched anonymous memory in 4 KiB pages: the comparison
+/// bench's floor, `support::floor`.
 fn fork_floor(anon_kib: usize, calls: usize) -> Stats {
     Stats::of(&floor::cycles(anon_kib, calls)).expect("samples")
 }

@@ -14,7 +14,6 @@
 
 pub mod agent;
 pub mod artifacts;
-pub mod bench;
 pub mod cli;
 pub mod containment;
 pub mod fluksio;

@@ -1,27 +1,113 @@
-//! `fluksio-zygote bench --quick`, with tiny counts, against the reference:
-//! the table and the chart are written and every row of the matrix is in
-//! the table, measured or saying why not. No timing is asserted.
+//! The comparison bench (`benches/compare`), quick, with tiny counts,
+//! against the reference: the table and the chart are written and every
+//! row of the matrix is in the table, measured or saying why not; every
+//! workload runs every row to the for-loop's results. No timing is asserted.
+//!
+//! Its own main (`harness = false`): each test runs the bench in a child of
+//! this binary, which is the bench when [`CHILD`] is set (its floor
+//! processes run this binary again, and inherit it).
 
-use std::process::Command;
+#[path = "../benches/compare/main.rs"]
+mod compare;
 
-const ZYGOTE: &str = env!("CARGO_BIN_EXE_fluksio-zygote");
+use std::panic::catch_unwind;
+use std::path::PathBuf;
+use std::process::{Command, ExitCode};
+
 const REFERENCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/reference");
+
+/// Set in a child of this binary: it is the comparison bench then.
+const CHILD: &str = "FLUKSIO_BENCH_TEST_CHILD";
 
 /// The thread variables this machine may set: every row here runs on its
 /// defaults (the bench's own `-j 2` shares the CPUs).
 const THREAD_VARIABLES: [&str; 3] = ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"];
 
-/// Runs `bench` with `args` and a fresh `--out` named after `name`; that
+/// The tests, by name.
+const TESTS: [(&str, fn()); 2] = [
+    (
+        "bench_quick_writes_the_table_and_the_chart_with_every_row",
+        bench_quick_writes_the_table_and_the_chart_with_every_row,
+    ),
+    (
+        "bench_workloads_runs_every_row_to_the_same_results",
+        bench_workloads_runs_every_row_to_the_same_results,
+    ),
+];
+
+/// The bench in a child; else the tests whose names hold a filter given
+/// (none: all), one after another, as libtest reports them.
+fn main() -> ExitCode {
+    if std::env::var_os(CHILD).is_some() {
+        return compare::main();
+    }
+    let (mut filters, mut skips, mut exact, mut list) = (Vec::new(), Vec::new(), false, false);
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--exact" => exact = true,
+            "--list" => list = true,
+            "--skip" => skips.extend(args.next()),
+            // libtest's options with a value, which this runner ignores.
+            "--test-threads" | "--color" | "--format" | "--logfile" | "-Z" => {
+                args.next();
+            }
+            _ if arg.starts_with('-') => {}
+            _ => filters.push(arg),
+        }
+    }
+    let matches = |name: &str, pattern: &String| {
+        if exact {
+            name == pattern
+        } else {
+            name.contains(pattern.as_str())
+        }
+    };
+    let chosen: Vec<_> = TESTS
+        .iter()
+        .filter(|(name, _)| filters.is_empty() || filters.iter().any(|f| matches(name, f)))
+        .filter(|(name, _)| !skips.iter().any(|s| matches(name, s)))
+        .collect();
+    if list {
+        for (name, _) in &chosen {
+            println!("{name}: test");
+        }
+        return ExitCode::SUCCESS;
+    }
+    println!("\nrunning {} tests", chosen.len());
+    let mut failed = Vec::new();
+    for &&(name, test) in &chosen {
+        let passed = catch_unwind(test).is_ok();
+        println!("test {name} ... {}", if passed { "ok" } else { "FAILED" });
+        if !passed {
+            failed.push(name);
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed; {} filtered out\n",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        chosen.len() - failed.len(),
+        failed.len(),
+        TESTS.len() - chosen.len()
+    );
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(101)
+    }
+}
+
+/// Runs the bench with `args` and a fresh `--out` named after `name`; that
 /// directory and what it printed, once it succeeded.
-fn bench(name: &str, args: &[&str]) -> (std::path::PathBuf, String) {
+fn bench(name: &str, args: &[&str]) -> (PathBuf, String) {
     let out = std::env::temp_dir().join(format!("fluksio-bench-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let mut command = Command::new(ZYGOTE);
+    let mut command = Command::new(std::env::current_exe().expect("this test's binary"));
+    command.env(CHILD, "1");
     for variable in THREAD_VARIABLES {
         command.env_remove(variable);
     }
     let output = command
-        .arg("bench")
         .args(args)
         .arg("--out")
         .arg(&out)
@@ -123,7 +209,6 @@ const ROWS: &[(&str, &[&str])] = &[
     ),
 ];
 
-#[test]
 fn bench_quick_writes_the_table_and_the_chart_with_every_row() {
     let (out, stdout) = bench(
         "test",
@@ -183,7 +268,7 @@ fn bench_quick_writes_the_table_and_the_chart_with_every_row() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-/// The workloads of `bench --workloads`, and every row each one has.
+/// The workloads of `--workloads`, and every row each one has.
 const WORKLOADS: &[&str] = &[
     "svm_cv",
     "logreg_cv",
@@ -201,10 +286,9 @@ const WORKLOAD_ROWS: &[&str] = &[
     "for-loop",
 ];
 
-/// `bench --workloads` on 4 points each: every workload has every row, each
+/// `--workloads` on 4 points each: every workload has every row, each
 /// measured (none failed), and every row computed what the for-loop did.
 /// No timing is asserted.
-#[test]
 fn bench_workloads_runs_every_row_to_the_same_results() {
     let python = fluksio_zygote::zygote::interpreter::BUILD_PYTHON;
     let sklearn = Command::new(python)

@@ -1,5 +1,5 @@
 """Runs a node's points the way a user would without fluksio-zygote, for
-the side-by-side rows of `bench --workloads`.
+the side-by-side rows of `compare --workloads`.
 
     python baseline.py METHOD NODE.py POINTS.jsonl OUT.jsonl [JOBS]
 

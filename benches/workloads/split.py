@@ -1,5 +1,5 @@
 """Where a point's time goes when it runs in a child forked per call, for
-one workload of `bench --workloads`: BENCHMARKS.md, "Why the smallest
+one workload of `compare --workloads`: BENCHMARKS.md, "Why the smallest
 points keep a gap under fork".
 
     python split.py NODE.py POINTS.jsonl [CALLS]

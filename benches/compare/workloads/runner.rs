@@ -14,9 +14,9 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::super::support::{ZYGOTE, floor::rusage};
 use super::compare::{self, Output};
 use super::{JOBS, Way, WorkloadOptions};
-use crate::bench::floor::rusage;
 
 /// The longest a row may run before it is ended and marked as timed out:
 /// far beyond any row of a default run (tens of seconds), short of a hang
@@ -43,7 +43,7 @@ pub struct Measured {
     pub p50_ms: Option<f64>,
 }
 
-/// Runs rows: this binary's `sweep`, or `baseline.py` on `--python`.
+/// Runs rows: `fluksio-zygote sweep`, or `baseline.py` on `--python`.
 pub struct Runner {
     exe: PathBuf,
     python: PathBuf,
@@ -54,7 +54,7 @@ pub struct Runner {
 impl Runner {
     pub fn new(options: &WorkloadOptions) -> Runner {
         Runner {
-            exe: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("fluksio-zygote")),
+            exe: PathBuf::from(ZYGOTE),
             python: options.python.clone(),
             python_given: options.python_given,
             baseline: options.dir.join("baseline.py"),
@@ -313,7 +313,10 @@ fn p50_ms(stderr: &str) -> Option<f64> {
     after.split_whitespace().next()?.parse().ok()
 }
 
+// Run by tests/bench_units.rs. Cargo sets cfg(test) for every bench and
+// test, so the benches compile this too, without its #[test] functions.
 #[cfg(test)]
+#[allow(unused_imports, dead_code)]
 mod tests {
     use super::*;
     use std::os::unix::process::ExitStatusExt;

@@ -124,7 +124,10 @@ pub fn tree_pss_kib(roots: &[u32]) -> (u64, usize) {
     (total, pids.len())
 }
 
+// Run by tests/bench_units.rs. Cargo sets cfg(test) for every bench and
+// test, so the benches compile this too, without its #[test] functions.
 #[cfg(test)]
+#[allow(unused_imports, dead_code)]
 mod tests {
     use super::*;
 

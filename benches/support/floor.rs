@@ -7,9 +7,9 @@
 //! for huge pages, so a Python zygote's heap is 4 KiB pages too.
 //!
 //! It must fork from a single-threaded process, as the zygote does: the
-//! `bench` subcommand runs it in a child of its own (`bench --floor-kib`,
-//! hidden), one or several at once; `benches/worker.rs` calls [`cycles`]
-//! from its own single-threaded main.
+//! comparison bench runs it in a child of its own (its binary again, with
+//! the hidden `--floor-kib`), one or several at once; `benches/worker.rs`
+//! calls [`cycles`] from its own single-threaded main.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -79,7 +79,7 @@ pub fn cycles(anon_kib: usize, calls: usize) -> Vec<Duration> {
     samples
 }
 
-/// `bench --floor-kib K --floor-calls N`: touches the memory, prints
+/// `--floor-kib K --floor-calls N`: touches the memory, prints
 /// `ready`, waits for a line on stdin (so several floor processes start
 /// together), runs the cycles, prints each in nanoseconds and then
 /// `elapsed NS` for the whole loop.
@@ -112,7 +112,7 @@ pub fn child_main(anon_kib: usize, calls: usize) -> ExitCode {
 }
 
 /// (CPU µs, minor faults) of `who`.
-pub(crate) fn rusage(who: libc::c_int) -> (u64, u64) {
+pub fn rusage(who: libc::c_int) -> (u64, u64) {
     // SAFETY: getrusage fills the zeroed struct it is given.
     let usage = unsafe {
         let mut usage: libc::rusage = std::mem::zeroed();
@@ -136,8 +136,9 @@ pub struct FloorRun {
     pub profile: String,
 }
 
-/// Runs `processes` floor processes at once (`exe bench --floor-kib …`),
-/// `calls` cycles in all, and gathers what they measured.
+/// Runs `processes` floor processes at once (`exe --floor-kib …`, `exe`
+/// being a binary whose [`child_main`] that flag reaches), `calls` cycles
+/// in all, and gathers what they measured.
 pub fn run(
     exe: &Path,
     anon_kib: usize,
@@ -149,7 +150,7 @@ pub fn run(
     let mut children = Vec::new();
     for _ in 0..processes {
         let mut child = Command::new(exe)
-            .args(["bench", "--floor-kib", &anon_kib.to_string()])
+            .args(["--floor-kib", &anon_kib.to_string()])
             .args(["--floor-calls", &per.to_string()])
             .env("RUST_LOG", "warn")
             .stdin(Stdio::piped())

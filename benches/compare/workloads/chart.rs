@@ -1,11 +1,11 @@
-//! The chart of `bench --workloads`: a group of bars per workload, one per
+//! The chart of `--workloads`: a group of bars per workload, one per
 //! row, each the row's wall time against joblib's on a log scale. joblib is
 //! the line at 1×; a bar grows from it, down for a row faster than joblib,
 //! up for a slower one, so that 0.5× and 2× are as long. A short black mark
 //! across ours' `--isolation node` and `--isolation call` bars is that
 //! row's target.
 //!
-//! Drawn as [`crate::bench::chart`] draws the matrix: plotters into an RGB
+//! Drawn as [`super::super::chart`] draws the matrix: plotters into an RGB
 //! buffer, a system font loaded at run time, written as PNG.
 
 use std::path::Path;
@@ -13,10 +13,10 @@ use std::path::Path;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
+use super::super::chart::{load_font, number, write_png};
+use super::super::support::factor_text;
 use super::report::{CALL_LONG_TARGET, CALL_SHORT_TARGET, LONG_POINT_MS, NODE_TARGET};
 use super::{Results, Way, WorkloadResult};
-use crate::bench::chart::{load_font, number, write_png};
-use crate::bench::factor_text;
 
 const WIDTH: u32 = 1400;
 const HEIGHT: u32 = 660;
@@ -79,7 +79,7 @@ pub fn draw(results: &Results, path: &Path) -> Result<(), String> {
         root.present().map_err(|e| e.to_string())?;
     }
     write_png(path, &buffer, WIDTH, HEIGHT)?;
-    crate::bench::chart::labelled(text)
+    super::super::chart::labelled(text)
 }
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;

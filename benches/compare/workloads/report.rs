@@ -1,4 +1,4 @@
-//! The report of `bench --workloads`: one Markdown table of every
+//! The report of `--workloads`: one Markdown table of every
 //! workload's rows (wall time, against joblib, per-call p50, whether the
 //! results match), then the targets, a verdict column each (with what a
 //! call of `--isolation call` costs beyond its point: the crude split of
@@ -32,13 +32,13 @@ pub fn markdown(
     png: &Path,
     chart_note: Option<&str>,
 ) -> String {
-    let mut out = String::from("# fluksio-zygote bench --workloads: real nodes, end to end\n\n");
+    let mut out = String::from("# fluksio-zygote against joblib: real nodes, end to end\n\n");
     let _ = writeln!(out, "```sh\n{}\n```\n", options.command_line);
     let _ = writeln!(
         out,
         "{}; Python {} ({}); {JOBS} calls in flight in every row but the for-loop; load \
          average {} before the first row, {} after the last.\n",
-        crate::bench::report::machine(),
+        super::super::report::machine(),
         results.python_version,
         options.python.display(),
         load(results.load[0]),
@@ -59,7 +59,7 @@ pub fn markdown(
     let _ = writeln!(out, "{:e}.\n", compare::RELATIVE_TOLERANCE);
     out.push_str(&table(results));
     out.push('\n');
-    crate::bench::report::chart_line(
+    super::super::report::chart_line(
         &mut out,
         png,
         chart_note,
@@ -150,7 +150,7 @@ fn per_call(workload: &WorkloadResult, way: Way, measured: &Measured) -> String 
 
 /// 0.0213 → "0.021 ms", 4.25 → "4.25 ms", 160.4 → "160 ms".
 fn milliseconds(ms: f64) -> String {
-    format!("{} ms", crate::bench::chart::number(ms))
+    format!("{} ms", super::super::chart::number(ms))
 }
 
 /// "same", "the reference", "results differ at …", or nothing for a row
@@ -274,7 +274,10 @@ fn how(results: &Results) -> String {
     out
 }
 
+// Run by tests/bench_units.rs. Cargo sets cfg(test) for every bench and
+// test, so the benches compile this too, without its #[test] functions.
 #[cfg(test)]
+#[allow(unused_imports, dead_code)]
 mod tests {
     use super::*;
     use std::time::Duration;

@@ -149,7 +149,10 @@ fn numbers_equal(a: &serde_json::Number, b: &serde_json::Number) -> bool {
     }
 }
 
+// Run by tests/bench_units.rs. Cargo sets cfg(test) for every bench and
+// test, so the benches compile this too, without its #[test] functions.
 #[cfg(test)]
+#[allow(unused_imports, dead_code)]
 mod tests {
     use super::*;
 

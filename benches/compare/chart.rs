@@ -17,7 +17,7 @@ use super::matrix::{Results, Scenario, Server};
 use super::ours::Variant;
 
 /// Fonts tried in turn (Debian, Fedora, Arch, Alpine, macOS).
-pub(crate) const FONTS: [&str; 6] = [
+pub const FONTS: [&str; 6] = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/TTF/DejaVuSans.ttf",
@@ -90,7 +90,7 @@ pub fn draw(results: &Results, path: &Path) -> Result<(), String> {
 }
 
 /// Registers the first font found; whether text can be drawn.
-pub(crate) fn load_font() -> bool {
+pub fn load_font() -> bool {
     for path in FONTS {
         if let Ok(bytes) = std::fs::read(path) {
             // plotters keeps fonts for the life of the process.
@@ -191,7 +191,7 @@ fn panel(
 }
 
 /// 0.0213 → "0.021", 1.5 → "1.50", 612.3 → "612".
-pub(crate) fn number(v: f64) -> String {
+pub fn number(v: f64) -> String {
     if v >= 100.0 {
         format!("{v:.0}")
     } else if v >= 1.0 {
@@ -201,7 +201,7 @@ pub(crate) fn number(v: f64) -> String {
     }
 }
 
-pub(crate) fn write_png(path: &Path, rgb: &[u8], width: u32, height: u32) -> Result<(), String> {
+pub fn write_png(path: &Path, rgb: &[u8], width: u32, height: u32) -> Result<(), String> {
     let file = std::fs::File::create(path)
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), width, height);

@@ -1,12 +1,12 @@
-//! Our side of the matrix: this very binary, as `worker` (one call at a
-//! time, the pool drop-in) and as `sweep` (several calls in flight from one
-//! zygote).
+//! Our side of the matrix: the `fluksio-zygote` binary, as `worker` (one
+//! call at a time, the pool drop-in) and as `sweep` (several calls in
+//! flight from one zygote).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use super::driver::LineWorker;
+use super::support::driver::LineWorker;
 
 /// How our rows run their zygote.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,7 +19,7 @@ pub enum Variant {
     Node,
 }
 
-/// This binary, with the zygote flags every row shares.
+/// The `fluksio-zygote` binary, with the zygote flags every row shares.
 #[derive(Debug, Clone)]
 pub struct Ours {
     pub exe: PathBuf,

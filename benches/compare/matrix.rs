@@ -1,5 +1,5 @@
-//! The matrix: scenarios (1)–(7) of issue 8, each served by every row that
-//! can serve it, one after another in this run.
+//! The matrix: scenarios (1)–(7), each served by every row that can serve
+//! it, one after another in this run.
 //!
 //! Every node imports the preload set (the reference imports it at its
 //! compile, a fresh process at every call, ours once, in the zygote). Every
@@ -10,10 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::driver::{self, LineWorker};
 use super::ours::{self, Ours, Variant};
-use super::reference::Reference;
-use super::{BenchOptions, Scratch, Stats, floor, procfs};
+use super::support::driver::{self, LineWorker};
+use super::support::reference::Reference;
+use super::support::{Stats, ZYGOTE, floor, procfs};
+use super::{BenchOptions, Scratch};
 
 /// Calls each worker gets before its calls are timed.
 const WARM_CALLS: usize = 20;
@@ -156,7 +157,7 @@ impl Server {
         }
     }
 
-    /// Whether it is this binary.
+    /// Whether it is the `fluksio-zygote` binary.
     pub fn is_ours(self) -> bool {
         matches!(
             self,
@@ -196,7 +197,7 @@ impl Metric {
     /// The number compared across rows: p50 ms, calls/s or MiB.
     pub fn value(&self) -> f64 {
         match *self {
-            Metric::Latency(stats) => super::ms(stats.p50),
+            Metric::Latency(stats) => super::support::ms(stats.p50),
             Metric::Rate(rate) => rate,
             Metric::Pss { kib, .. } => kib as f64 / 1024.0,
         }
@@ -258,6 +259,7 @@ struct Context<'a> {
     scratch: &'a Scratch,
     ours: Ours,
     reference: Reference,
+    /// This binary, run again as a floor process (`--floor-kib`).
     exe: PathBuf,
     /// `import numpy, pandas` for the preload set, or nothing.
     imports: String,
@@ -269,7 +271,7 @@ struct Context<'a> {
 
 /// Runs every scenario, in order, printing progress on stderr.
 pub fn run(options: &BenchOptions, scratch: &Scratch) -> Results {
-    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("fluksio-zygote"));
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("compare"));
     let imports = if options.preload.is_empty() {
         String::new()
     } else {
@@ -279,7 +281,7 @@ pub fn run(options: &BenchOptions, scratch: &Scratch) -> Results {
         options,
         scratch,
         ours: Ours {
-            exe: exe.clone(),
+            exe: PathBuf::from(ZYGOTE),
             preload: options.preload.clone(),
             python: options.python_given.then(|| options.python.clone()),
         },
@@ -309,7 +311,7 @@ pub fn run(options: &BenchOptions, scratch: &Scratch) -> Results {
     }
 }
 
-pub(crate) fn python_version(python: &Path) -> String {
+pub fn python_version(python: &Path) -> String {
     Command::new(python)
         .args(["-c", "import sys; print(sys.version.split()[0])"])
         .output()
@@ -490,12 +492,12 @@ impl Context<'_> {
             (Server::Pool, python, Vec::new()),
             (
                 Server::Ours(Variant::Call),
-                self.exe.clone(),
+                self.ours.exe.clone(),
                 self.ours.pool_env(Variant::Call),
             ),
             (
                 Server::Ours(Variant::Node),
-                self.exe.clone(),
+                self.ours.exe.clone(),
                 self.ours.pool_env(Variant::Node),
             ),
         ];

@@ -1,14 +1,15 @@
 //! The report: one Markdown table of every row, each compared with the
 //! reference pool and with the C fork floor of its scenario, read the right
-//! way round ("ours is 24× faster", "the pool is 3.1× faster"), and issue
-//! 8's targets with the ratio this run measured.
+//! way round ("ours is 24× faster", "the pool is 3.1× faster"), and the
+//! targets with the ratio this run measured.
 
 use std::fmt::Write;
 use std::path::Path;
 
+use super::BenchOptions;
 use super::matrix::{Metric, Results, Row, Scenario, Server};
 use super::ours::Variant;
-use super::{BenchOptions, Side, factor_text, ms, winner};
+use super::support::{Side, factor_text, ms, winner};
 
 /// The whole report: how it was run, the table, the targets.
 pub fn markdown(
@@ -23,7 +24,10 @@ pub fn markdown(
     } else {
         options.preload.join(",")
     };
-    let _ = writeln!(out, "# fluksio-zygote bench: {preload} preloaded\n");
+    let _ = writeln!(
+        out,
+        "# fluksio-zygote against the reference: {preload} preloaded\n"
+    );
     let _ = writeln!(out, "```sh\n{}\n```\n", options.command_line);
     let _ = writeln!(
         out,
@@ -140,7 +144,7 @@ fn against_floor(results: &Results, row: &Row, metric: &Metric) -> String {
 }
 
 /// The machine, for the report's header.
-pub(crate) fn machine() -> String {
+pub fn machine() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()

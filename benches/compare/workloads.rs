@@ -1,5 +1,5 @@
-//! `fluksio-zygote bench --workloads`: real workloads, end to end, against
-//! what a user would otherwise write.
+//! `--workloads`: real workloads, end to end, against what a user would
+//! otherwise write.
 //!
 //! The matrix ([`super::matrix`]) times trivial calls, where the fork is the
 //! whole cost. A user's question is different: "I have 1000 points of a
@@ -39,7 +39,7 @@ pub const JOBS: usize = 2;
 /// What `--quick` divides each workload's points by.
 const QUICK_DIVISOR: usize = 5;
 
-/// How `bench --workloads` is run.
+/// How `--workloads` is run.
 #[derive(Debug, Clone)]
 pub struct WorkloadOptions {
     /// The interpreter of every row: ours embeds it, the baselines run on it.
@@ -280,7 +280,7 @@ pub fn run(options: &WorkloadOptions) -> ExitCode {
     {
         let names: Vec<&str> = ALL.iter().map(|w| w.name).collect();
         eprintln!(
-            "fluksio-zygote bench: no workload {unknown:?}; there are {}",
+            "bench: no workload {unknown:?}; there are {}",
             names.join(", ")
         );
         return ExitCode::from(2);
@@ -500,7 +500,10 @@ pub fn default_dir() -> PathBuf {
     }
 }
 
+// Run by tests/bench_units.rs. Cargo sets cfg(test) for every bench and
+// test, so the benches compile this too, without its #[test] functions.
 #[cfg(test)]
+#[allow(unused_imports, dead_code)]
 mod tests {
     use super::*;
 
