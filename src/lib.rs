@@ -16,6 +16,7 @@ pub mod agent;
 pub mod artifacts;
 pub mod cli;
 pub mod containment;
+pub mod end;
 pub mod fluksio;
 pub mod lines;
 pub mod link;

@@ -57,8 +57,8 @@ impl Outcome {
     /// From the error type of a failed reply.
     pub fn of_error(kind: &str) -> Outcome {
         match kind {
-            "NodeCancelled" => Outcome::Cancelled,
-            crate::protocol::ENDED_WITHOUT_REPLY => Outcome::Crashed,
+            crate::end::NODE_CANCELLED => Outcome::Cancelled,
+            crate::end::REMOTE_ERROR => Outcome::Crashed,
             _ => Outcome::Error,
         }
     }

@@ -36,26 +36,6 @@ pub enum ChildEnd {
 }
 
 impl ChildEnd {
-    /// The `message` of a reply for a call whose process ended this way
-    /// before it replied.
-    pub fn ended_message(&self) -> String {
-        match self {
-            ChildEnd::OverMemoryLimit(_) => {
-                format!("the node process {self}; raise --call-memory-limit, or use less memory")
-            }
-            _ => format!("the node process {self} before it replied"),
-        }
-    }
-
-    /// The `error.type` of a reply that says the process ended this way:
-    /// Python's own for memory, the contract's for the rest.
-    pub fn error_type(&self) -> &'static str {
-        match self {
-            ChildEnd::OverMemoryLimit(_) => "MemoryError",
-            _ => crate::protocol::ENDED_WITHOUT_REPLY,
-        }
-    }
-
     fn from_wait_status(status: libc::c_int) -> ChildEnd {
         if libc::WIFSIGNALED(status) {
             let signal = Signal::try_from(libc::WTERMSIG(status)).unwrap_or(Signal::SIGKILL);

@@ -16,8 +16,6 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
-use crate::process::ChildEnd;
-
 /// What the request asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
@@ -381,7 +379,7 @@ pub fn failure_reply(
     )
 }
 
-fn failure_line(
+pub(crate) fn failure_line(
     id: &RawValue,
     call_id: &str,
     kind: &str,
@@ -404,50 +402,6 @@ fn failure_line(
     let mut line = serde_json::to_vec(&reply).expect("a reply of strings serialises");
     line.push(b'\n');
     line
-}
-
-/// A reply for a call the runtime ended before it replied (`sweep
-/// --timeout`): `short` is the message alone, as PROTOCOL.md section 2 has
-/// it for a process that ended without a reply.
-pub fn ended_by_runtime(
-    id: &RawValue,
-    call_id: &str,
-    kind: &str,
-    message: &str,
-    logs: &str,
-) -> Vec<u8> {
-    failure_line(id, call_id, kind, message, message, logs)
-}
-
-/// The type a reply carries when the call's process ended without one. The
-/// pool re-raises it under this name, as it does agent.py's own.
-pub const ENDED_WITHOUT_REPLY: &str = "RemoteError";
-
-/// The reply for a call whose process ended before it could answer.
-pub fn ended_without_reply(id: &RawValue, call_id: &str, end: ChildEnd, logs: &str) -> Vec<u8> {
-    failure_reply(id, call_id, end.error_type(), &end.ended_message(), logs)
-}
-
-/// A reply that says a call's process ended without one, rewritten for a
-/// call that was cancelled: `NodeCancelled`, as the engine expects.
-/// `None` for any other reply (the node answered before the kill landed).
-pub fn as_cancelled(line: &[u8]) -> Option<Vec<u8>> {
-    let mut reply: serde_json::Value = serde_json::from_slice(line).ok()?;
-    let error = reply.get_mut("error")?.as_object_mut()?;
-    let message = error.get("message")?.as_str()?;
-    if error.get("type")?.as_str()? != ENDED_WITHOUT_REPLY
-        || !message.starts_with("the node process ")
-    {
-        return None;
-    }
-    let how = message
-        .trim_start_matches("the node process ")
-        .trim_end_matches(" before it replied");
-    let message = format!("the node process was cancelled ({how})");
-    error.insert("type".into(), "NodeCancelled".into());
-    error.insert("short".into(), format!("NodeCancelled: {message}").into());
-    error.insert("message".into(), message.into());
-    serde_json::to_vec(&reply).ok()
 }
 
 #[derive(Serialize)]

@@ -32,6 +32,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
+use crate::end::End;
 use crate::link::follow::{self, Followed};
 use crate::link::{self, Frame, Receiver};
 use crate::protocol;
@@ -269,13 +270,7 @@ impl Slot {
             && let Err(why) = self.connect()
         {
             let message = format!("the shared zygote could not be started: {why}");
-            self.write(&protocol::failure_reply(
-                id,
-                call_id,
-                "RemoteError",
-                &message,
-                "",
-            ));
+            self.write(&End::Lost(message.to_string()).reply(id, call_id, ""));
             return;
         }
         self.next_ticket += 1;
@@ -297,13 +292,7 @@ impl Slot {
             if !replied {
                 let message = "the shared zygote ended during the call (its log says why); \
                                the call's process ended with it";
-                self.write(&protocol::failure_reply(
-                    id,
-                    call_id,
-                    "RemoteError",
-                    message,
-                    "",
-                ));
+                self.write(&End::Lost(message.to_string()).reply(id, call_id, ""));
             }
         }
     }

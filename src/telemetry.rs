@@ -87,10 +87,7 @@ impl CallLog {
     /// Logs the end with the outcome read off `reply` (no reply: the call
     /// was not answered, logged as `RemoteError`), and counts it.
     pub fn end(self, reply: Option<&[u8]>) {
-        let kind = reply.map_or_else(
-            || Some(crate::protocol::ENDED_WITHOUT_REPLY.to_string()),
-            error_type,
-        );
+        let kind = reply.map_or_else(|| Some(crate::end::REMOTE_ERROR.to_string()), error_type);
         self.end_with(kind.as_deref());
     }
 
@@ -234,7 +231,7 @@ impl<'a> Observed<'a> {
     /// The call is over: if no reply passed, it ended without one.
     pub fn finish(mut self) {
         if let Some(log) = self.log.take() {
-            log.end_with(Some(crate::protocol::ENDED_WITHOUT_REPLY));
+            log.end_with(Some(crate::end::REMOTE_ERROR));
         }
     }
 }

@@ -16,6 +16,7 @@ use serde_json::value::RawValue;
 use super::Agent;
 use super::session::Session;
 use super::zygote::Event;
+use crate::end::End;
 use crate::lines::{LineBuffer, Piece, TooLarge};
 use crate::link::Frame;
 use crate::process::ChildEnd;
@@ -127,6 +128,13 @@ impl Call<'_> {
             .await;
     }
 
+    /// The reply for a call that ended without its node's.
+    async fn end(&self, end: End, logs: &str) {
+        self.session
+            .send_raw(&end.reply(self.id, self.call_id, logs))
+            .await;
+    }
+
     /// The child now running for the call; killed at once if cancelled.
     fn started(&self, pidfd: OwnedFd) {
         let mut running = self
@@ -171,18 +179,18 @@ enum Until {
 /// The call's lines to the engine; what happened, for the log (a detail
 /// where the agent answered for the call, and the reply's error type).
 async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Option<String>) {
-    let remote = || Some(protocol::ENDED_WITHOUT_REPLY.to_string());
+    let remote = || Some(crate::end::REMOTE_ERROR.to_string());
     let zygote = match agent.zygote().await {
         Ok(zygote) => zygote,
         Err(why) => {
-            call.fail("RemoteError", &why).await;
+            call.end(End::Lost(why.clone()), "").await;
             return (format!("no zygote: {why}"), remote());
         }
     };
     let (ticket, mut events) = match zygote.call(line).await {
         Ok(ticket_and_events) => ticket_and_events,
         Err(why) => {
-            call.fail("RemoteError", &why).await;
+            call.end(End::Lost(why.clone()), "").await;
             return (why, remote());
         }
     };
@@ -202,7 +210,7 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
                 let cancelled = call
                     .session
                     .cancelled(call.key)
-                    .then(|| protocol::as_cancelled(&line))
+                    .then(|| crate::end::as_cancelled(&line))
                     .flatten();
                 let reply = cancelled.as_deref().unwrap_or(&line);
                 call.session.send_raw(reply).await;
@@ -229,8 +237,12 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
     match until {
         Until::Replied(error_type) => (String::new(), error_type),
         Until::Ended(end, logs) => {
-            let cancelled = call.session.cancelled(call.key);
-            let reply = ended_reply(call.id, call.call_id, end, cancelled, &logs);
+            let end = if call.session.cancelled(call.key) {
+                End::Cancelled(end)
+            } else {
+                End::Process(end)
+            };
+            let reply = end.reply(call.id, call.call_id, &logs);
             call.session.send_raw(&reply).await;
             (
                 format!("the node process {end}"),
@@ -238,11 +250,8 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
             )
         }
         Until::Gone(why) => {
-            call.fail(
-                "RemoteError",
-                &format!("{why} while the call ran; a new zygote serves the next calls"),
-            )
-            .await;
+            let message = format!("{why} while the call ran; a new zygote serves the next calls");
+            call.end(End::Lost(message), "").await;
             (why, remote())
         }
         Until::TooLarge(too_large) => {
@@ -375,26 +384,6 @@ async fn drain(
             Read::WouldBlock | Read::Ended => return None,
         }
     }
-}
-
-/// The reply for a child that ended without one (PROTOCOL.md, section 2),
-/// saying how it ended.
-fn ended_reply(
-    id: &RawValue,
-    call_id: &str,
-    end: ChildEnd,
-    cancelled: bool,
-    logs: &str,
-) -> Vec<u8> {
-    let (kind, message) = if cancelled {
-        (
-            "NodeCancelled",
-            format!("the node process was cancelled ({end})"),
-        )
-    } else {
-        (end.error_type(), end.ended_message())
-    };
-    protocol::failure_reply(id, call_id, kind, &message, logs)
 }
 
 /// The call's `env`, taken off the request: values as strings,

@@ -15,6 +15,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use serde_json::value::RawValue;
 
 use super::{Frame, Received, Receiver};
+use crate::end::End;
 use crate::lines::{LineBuffer, Piece};
 use crate::protocol;
 use crate::zygote::flight::CallOutput;
@@ -95,7 +96,7 @@ pub fn follow(
                         replied |= relay(&mut lines, id, call_id, out);
                     }
                     if !replied {
-                        out.reply(&protocol::ended_without_reply(id, call_id, end, &logs));
+                        out.reply(&End::Process(end).reply(id, call_id, &logs));
                     }
                     break 'call Followed::Done;
                 }
@@ -112,13 +113,7 @@ pub fn follow(
                             Frame::Lost { message, .. } => message,
                             _ => "the zygote ended the call without a reply".to_string(),
                         };
-                        out.reply(&protocol::failure_reply(
-                            id,
-                            call_id,
-                            "RemoteError",
-                            &message,
-                            "",
-                        ));
+                        out.reply(&End::Lost(message).reply(id, call_id, ""));
                     }
                     break 'call Followed::Done;
                 }

@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::protocol::{self, Op, Request};
+use crate::end::End;
+use crate::protocol::{Op, Request};
 use crate::zygote::flight::{CallOutput, Flight};
 use crate::zygote::plumbing::Claimed;
 use crate::zygote::{SpawnError, Zygote};
@@ -18,19 +19,6 @@ use crate::zygote::{SpawnError, Zygote};
 /// How long a wait may block: a signal that lands between checking for it
 /// and polling is seen within this.
 const WAKE_MS: u16 = 200;
-
-/// The error type of a call `--timeout` ended: the reference pool's.
-pub const NODE_TIMEOUT: &str = "NodeTimeout";
-
-/// The reply for call `id`, ended (with everything it started) because it
-/// ran past `timeout`; `logs`, what it printed until then.
-pub fn timed_out(id: &RawValue, timeout: Duration, logs: &str) -> Vec<u8> {
-    let message = format!(
-        "the call ran past --timeout {} s and was ended, with everything it started",
-        timeout.as_secs_f64()
-    );
-    protocol::ended_by_runtime(id, "", NODE_TIMEOUT, &message, logs)
-}
 
 /// What a node is, for its requests.
 pub struct Node {
@@ -120,7 +108,7 @@ struct Running {
 
 /// How a call in flight ended this step.
 #[derive(Clone, Copy)]
-enum End {
+enum Step {
     /// Its child exited.
     Exited,
     /// A resident's call replied: the child stays for the next.
@@ -270,11 +258,11 @@ impl<'a> Calls<'a> {
         for &i in &overdue {
             crate::process::kill_group(self.running[i].flight.pid, Signal::SIGKILL);
         }
-        let mut ended: Vec<(usize, End)> = exited
+        let mut ended: Vec<(usize, Step)> = exited
             .iter()
-            .map(|&i| (i, End::Exited))
-            .chain(replied.iter().map(|&i| (i, End::Replied)))
-            .chain(overdue.iter().map(|&i| (i, End::Overdue)))
+            .map(|&i| (i, Step::Exited))
+            .chain(replied.iter().map(|&i| (i, Step::Replied)))
+            .chain(overdue.iter().map(|&i| (i, Step::Overdue)))
             .collect();
         ended.sort_unstable_by_key(|&(i, _)| i);
         let mut done = Vec::with_capacity(ended.len());
@@ -282,9 +270,9 @@ impl<'a> Calls<'a> {
         for &(i, end) in ended.iter().rev() {
             let call = self.running.swap_remove(i);
             done.push(match end {
-                End::Replied => self.between(call),
-                End::Exited => self.land(call, false)?,
-                End::Overdue => self.land(call, true)?,
+                Step::Replied => self.between(call),
+                Step::Exited => self.land(call, false)?,
+                Step::Overdue => self.land(call, true)?,
             });
         }
         done.reverse();
@@ -340,12 +328,11 @@ impl<'a> Calls<'a> {
         if let (false, Some(too_large)) = (landed.replied, too_large) {
             answer.reply(&too_large.reply(&id, ""));
         } else if let (false, true, Some(timeout)) = (landed.replied, overdue, self.timeout) {
-            answer.reply(&timed_out(&id, timeout, &landed.logs.text_lossy()));
+            answer.reply(&End::TimedOut(timeout).reply(&id, "", &landed.logs.text_lossy()));
         } else if !landed.replied {
-            answer.reply(&protocol::ended_without_reply(
+            answer.reply(&End::Process(landed.reaped.end).reply(
                 &id,
                 "",
-                landed.reaped.end,
                 &landed.logs.text_lossy(),
             ));
         }

@@ -9,6 +9,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::calls::Done;
+use crate::end::End;
 
 /// The parts of a reply a line carries, kept as the JSON they came as (a
 /// big int stays exact).
@@ -115,13 +116,14 @@ pub fn line(done: &Done, kwargs: &Map<String, Value>) -> (String, Outcome) {
         }
         Err(_) => {
             let text = String::from_utf8_lossy(&done.answer.reply);
-            let message = format!("unreadable reply: {}", text.trim());
-            let error = serde_json::json!({"type": "RemoteError", "message": message, "short": format!("RemoteError: {message}"), "traceback": ""});
+            let end = End::Lost(format!("unreadable reply: {}", text.trim()));
+            let message = end.to_string();
+            let error = serde_json::json!({"type": end.error_type(), "message": message, "short": message, "traceback": ""});
             line += &format!(r#", "ok": false, "error": {error}"#);
             Outcome {
                 ok: false,
-                kind: "RemoteError".into(),
-                short: format!("RemoteError: {message}"),
+                kind: end.error_type().into(),
+                short: message,
             }
         }
     };

@@ -157,17 +157,24 @@ fn young_files<'py>(
         }
     };
     let sys = py.import("sys")?;
-    let standard: Vec<Bound<'_, PyAny>> = [
+    // The standard streams and the buffers under them: closing the buffer
+    // of `sys.__stdout__` would close it with its text still pending.
+    let mut standard: Vec<Bound<'_, PyAny>> = Vec::new();
+    for name in [
         "__stdin__",
         "__stdout__",
         "__stderr__",
         "stdin",
         "stdout",
         "stderr",
-    ]
-    .iter()
-    .filter_map(|name| sys.getattr(*name).ok())
-    .collect();
+    ] {
+        if let Ok(stream) = sys.getattr(name) {
+            if let Ok(buffer) = stream.getattr("buffer") {
+                standard.push(buffer);
+            }
+            standard.push(stream);
+        }
+    }
     let mut texts = Vec::new();
     let mut buffers = Vec::new();
     for object in objects.iter() {
@@ -251,6 +258,8 @@ pub fn at_end(py: Python<'_>, ending: Ending) {
         };
     }
     if ending == Ending::Exit {
+        // As at exit: the standard streams first, then every other file.
+        flush_standard(py);
         if let Ok(files) = young_files(py, None) {
             for file in files {
                 let _ = file.call_method0("close");

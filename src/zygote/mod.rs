@@ -43,6 +43,7 @@ use std::path::PathBuf;
 use nix::unistd::Pid;
 use pyo3::prelude::*;
 
+use crate::end::End;
 use crate::protocol::{self, Op, Request};
 use capture::LogBuffer;
 use child::{Assignment, Function, Task, TrialVerdict};
@@ -428,13 +429,7 @@ impl Zygote {
                     "the node's loading process {} after it loaded, so the run did not start",
                     landed.reaped.end
                 );
-                held.line = protocol::failure_reply(
-                    &request.id,
-                    &request.call_id,
-                    "RemoteError",
-                    &message,
-                    "",
-                );
+                held.line = End::Lost(message).reply(&request.id, &request.call_id, "");
             }
             if request.op == Op::Compile || !loaded {
                 out.reply(&held.line);
@@ -540,7 +535,7 @@ impl Zygote {
             Err(SpawnError::Unsafe | SpawnError::NotCompiled) => Err(Stop::Recover),
             Err(SpawnError::Io(error)) => {
                 let message = format!("could not start the node's process: {error}");
-                out.reply(&assignment.failure("RemoteError", &message));
+                out.reply(&assignment.lost(message));
                 Err(Stop::Answered)
             }
         }
@@ -583,7 +578,7 @@ impl Zygote {
     ) -> Stop {
         tracing::error!("lost track of a call's process: {error}");
         let message = format!("lost track of the node's process: {error}");
-        out.reply(&assignment.failure("RemoteError", &message));
+        out.reply(&assignment.lost(message));
         self.needs_recovery = true;
         Stop::Answered
     }
@@ -1001,13 +996,7 @@ impl Zygote {
                     "the zygote of node {key} (pid {pid}) ended during the call; the node's \
                      next call loads it again"
                 );
-                out.reply(&protocol::failure_reply(
-                    &request.id,
-                    &request.call_id,
-                    "RemoteError",
-                    &message,
-                    "",
-                ));
+                out.reply(&End::Lost(message).reply(&request.id, &request.call_id, ""));
             }
         }
         Ok(())

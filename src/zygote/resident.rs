@@ -77,7 +77,7 @@ impl Zygote {
                     Ok(started) => started,
                     Err(super::SpawnError::Io(error)) => {
                         let message = format!("could not start the node's process: {error}");
-                        out.reply(&assignment.failure("RemoteError", &message));
+                        out.reply(&assignment.lost(message));
                         return Err(Stop::Answered);
                     }
                     Err(_) => return Err(Stop::Recover),

@@ -29,6 +29,7 @@ use super::flight::{CallOutput, FALLBACK_POLL_MS, Flight};
 use super::node::NodeKey;
 use super::plumbing::Claimed;
 use super::{Zygote, ZygoteOptions};
+use crate::end::End;
 use crate::link::{self, Frame, Received, Receiver};
 use crate::process::ExitWatch;
 use crate::protocol;
@@ -590,13 +591,7 @@ impl Server {
             Ok(None) => send(socket, Frame::Done { ticket }),
             Err(must) => {
                 if !must.answered {
-                    out.reply(&protocol::failure_reply(
-                        &parsed.id,
-                        &parsed.call_id,
-                        "RemoteError",
-                        "the zygote can no longer fork safely and is restarting; send the call again",
-                        "",
-                    ));
+                    out.reply(&End::Lost("the zygote can no longer fork safely and is restarting; send the call again".to_string()).reply(&parsed.id, &parsed.call_id, ""));
                 }
                 send(socket, Frame::Done { ticket });
                 return true;
@@ -627,11 +622,9 @@ impl Server {
             Err(error) => {
                 if let Some(socket) = self.socket_of(link) {
                     let message = format!("could not start the node's zygote: {error}");
-                    LinkOutput { socket, ticket }.reply(&protocol::failure_reply(
+                    LinkOutput { socket, ticket }.reply(&End::Lost(message).reply(
                         &parsed.id,
                         &parsed.call_id,
-                        "RemoteError",
-                        &message,
                         "",
                     ));
                     send(socket, Frame::Done { ticket });

@@ -30,6 +30,7 @@ use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
 use super::plumbing::Claimed;
 use super::{SpawnError, Zygote, fork, freeze_gc, plumbing};
 use crate::containment::Cell;
+use crate::end::End;
 use crate::process::{self, ExitWatch};
 use crate::protocol::{self, Request};
 
@@ -424,11 +425,16 @@ impl Assignment {
     /// The reply for this call when its child ended without one, with the
     /// logs the child left in its buffer.
     pub(super) fn ended_without_reply(&self, landed: &Landed) -> Vec<u8> {
-        protocol::ended_without_reply(
+        End::Process(landed.reaped.end).reply(
             &self.raw_id(),
             &self.call_id,
-            landed.reaped.end,
             &landed.logs.text_lossy(),
         )
+    }
+
+    /// The reply for this call when the zygote lost it before its child
+    /// could answer (`message` says how).
+    pub(super) fn lost(&self, message: String) -> Vec<u8> {
+        End::Lost(message).reply(&self.raw_id(), &self.call_id, "")
     }
 }
