@@ -564,6 +564,7 @@ const WORKER_AFTER_HELP: &str = "The engine's pool passes no flags: set them in 
 
 /// Parses the command line and runs it.
 pub fn main() -> ExitCode {
+    crate::zygote::signals::note_ignored_at_start();
     let cli = Cli::parse_from(rewrite_worker_main(std::env::args_os().collect()));
     if cli.log_format != LogFormat::Text {
         // The processes this one starts (an agent's zygote) log alike.

@@ -9,6 +9,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{Worker, compile, run, scratch};
+use nix::sys::signal::{self as sigaction, SigHandler, Signal};
 use serde_json::{Value, json};
 
 /// A node that reports its signal table (Python's) and its kernel
@@ -24,10 +25,33 @@ def process():
     return {"table": table, "blocked": low("SigBlk"), "ignored": low("SigIgn"), "caught": low("SigCgt")}
 "#;
 
-fn python3_table() -> Value {
+/// `command` started with every signal at its default but `ignored`, which
+/// it inherits ignored (as under `nohup`, or a shell's background job):
+/// whatever this test process was started with does not leak in.
+fn started_with(mut command: Command, ignored: &'static [Signal]) -> Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only sigaction between fork and exec (async-signal-safe).
+    unsafe {
+        command.pre_exec(move || {
+            for signal in Signal::iterator() {
+                if !matches!(signal, Signal::SIGKILL | Signal::SIGSTOP) {
+                    let _ = sigaction::signal(signal, SigHandler::SigDfl);
+                }
+            }
+            for &signal in ignored {
+                let _ = sigaction::signal(signal, SigHandler::SigIgn);
+            }
+            Ok(())
+        });
+    }
+    command
+}
+
+fn python3_table(ignored: &'static [Signal]) -> Value {
     let script = format!("{TABLE}\nimport json\nprint(json.dumps(process()))\n");
-    let output = Command::new(common::python())
-        .args(["-c", &script])
+    let mut command = Command::new(common::python());
+    command.args(["-c", &script]);
+    let output = started_with(command, ignored)
         .output()
         .expect("python3 runs");
     serde_json::from_slice(&output.stdout).expect("the table as JSON")
@@ -56,10 +80,16 @@ def process():
     return "loaded"
 "#;
 
+fn started_worker(args: &[&str], ignored: &'static [Signal]) -> Worker {
+    let mut command = Command::new(common::ZYGOTE);
+    command.arg("worker").args(args);
+    Worker::spawn(started_with(command, ignored))
+}
+
 #[test]
 fn a_call_starts_with_the_signal_dispositions_of_a_fresh_python3() {
-    let expected = python3_table();
-    let mut worker = Worker::zygote(&[]);
+    let expected = python3_table(&[]);
+    let mut worker = started_worker(&[], &[]);
     assert_eq!(ok(&result(&mut worker, 1, "table", TABLE)), &expected);
     // Another node's module-level handlers change nothing for this one.
     let loaded = worker
@@ -68,8 +98,29 @@ fn a_call_starts_with_the_signal_dispositions_of_a_fresh_python3() {
     assert_eq!(loaded["ok"], true, "{loaded}");
     assert_eq!(ok(&result(&mut worker, 3, "table2", TABLE)), &expected);
     // Preloads are loads too.
-    let mut preloaded = Worker::zygote(&["--preload", "signal,subprocess,asyncio,numpy"]);
+    let mut preloaded = started_worker(&["--preload", "signal,subprocess,asyncio,numpy"], &[]);
     assert_eq!(ok(&result(&mut preloaded, 1, "table", TABLE)), &expected);
+}
+
+/// Started under `nohup` (SIGHUP ignored) or as a shell's background job
+/// (SIGINT and SIGQUIT ignored), `python3` keeps those ignored: so does a
+/// call, in a fresh child and in a resident.
+#[test]
+fn a_signal_the_worker_was_started_with_ignored_stays_ignored_in_a_call() {
+    for ignored in [
+        &[Signal::SIGHUP][..],
+        &[Signal::SIGINT, Signal::SIGQUIT][..],
+    ] {
+        let expected = python3_table(ignored);
+        for isolation in ["call", "node"] {
+            let mut worker = started_worker(&["--isolation", isolation], ignored);
+            assert_eq!(
+                ok(&result(&mut worker, 1, "table", TABLE)),
+                &expected,
+                "{ignored:?}, --isolation {isolation}"
+            );
+        }
+    }
 }
 
 const SIGINT_SELF: &str = r#"

@@ -12,7 +12,8 @@
 //!    by every other node's calls.
 //!
 //! So: `_signal` is imported at boot and its table made a fresh `python3`'s
-//! (SIGINT `default_int_handler`, SIGPIPE and SIGXFSZ `SIG_IGN`, the rest
+//! (SIGINT `default_int_handler`, SIGPIPE and SIGXFSZ `SIG_IGN`, a signal
+//! this process was started with ignored still ignored, the rest
 //! `SIG_DFL`), while the kernel keeps the runtime's dispositions (SIGINT and
 //! SIGTERM as the process was started, or `run`/`sweep`'s handlers; SIGPIPE
 //! and SIGXFSZ ignored). Every load in the zygote is watched: what it
@@ -101,6 +102,26 @@ fn state() -> std::sync::MutexGuard<'static, Option<State>> {
     STATE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The signals this process was started with ignored. A `python3` started
+/// in its place keeps them ignored (an ignored signal stays ignored across
+/// exec: `nohup`'s SIGHUP, a background job's SIGINT), and so does a call.
+static IGNORED_AT_START: std::sync::OnceLock<Vec<libc::c_int>> = std::sync::OnceLock::new();
+
+/// Call first thing in `main`, before the runtime changes any disposition.
+pub fn note_ignored_at_start() {
+    IGNORED_AT_START.get_or_init(|| {
+        (1..=max_signal())
+            .filter(|&s| query(s).is_some_and(|a| a.sa_sigaction == libc::SIG_IGN))
+            .collect()
+    });
+}
+
+fn ignored_at_start(signal: libc::c_int) -> bool {
+    IGNORED_AT_START
+        .get()
+        .is_some_and(|ignored| ignored.contains(&signal))
+}
+
 /// Kernel actions before the interpreter starts, to tell what its own start
 /// installed (faulthandler under `PYTHONFAULTHANDLER`) from the runtime's.
 static BEFORE_INIT: Mutex<Option<Kernel>> = Mutex::new(None);
@@ -116,8 +137,9 @@ fn python3_default<'py>(
     signal: libc::c_int,
 ) -> PyResult<Bound<'py, PyAny>> {
     match signal {
-        libc::SIGINT => signals.getattr("default_int_handler"),
         libc::SIGPIPE | libc::SIGXFSZ => signals.getattr("SIG_IGN"),
+        _ if ignored_at_start(signal) => signals.getattr("SIG_IGN"),
+        libc::SIGINT => signals.getattr("default_int_handler"),
         _ => signals.getattr("SIG_DFL"),
     }
 }
@@ -165,6 +187,7 @@ pub fn settle_zygote(py: Python<'_>) -> PyResult<()> {
         };
         child[index] = Some(match signal {
             _ if started_by_python => after_init[index].expect("read above"),
+            _ if ignored_at_start(signal) => plain(libc::SIG_IGN),
             libc::SIGINT => python_handler.unwrap_or_else(|| plain(libc::SIG_DFL)),
             libc::SIGPIPE | libc::SIGXFSZ => plain(libc::SIG_IGN),
             _ => plain(libc::SIG_DFL),
