@@ -12,7 +12,7 @@
 //!    zygote). In `agent` mode the agent, which never forks Python, serves
 //!    the endpoint from its runtime and passes the page to each zygote it
 //!    starts. The page is `MADV_DONTFORK` and its fd is the zygote's own
-//!    (`plumbing`): no call's child can read or forge it.
+//!    (`crate::fds`): no call's child can read or forge it.
 //! 3. Numbers read live at scrape time need no writer: the zygote's resident
 //!    memory and its children are read from `/proc` then.
 //!
@@ -284,7 +284,7 @@ pub fn serve_for_zygote(addr: &str) -> Result<(), String> {
         .local_addr()
         .map_or(addr.to_string(), |a| a.to_string());
     drop(listener);
-    // The page's fd stays open (and is the zygote's own: `plumbing` claims
+    // The page's fd stays open (and is the zygote's own: `crate::fds` claims
     // what the process holds when it boots) for a re-executed zygote.
     let fd = std::mem::ManuallyDrop::new(page).as_raw_fd();
     // SAFETY: one thread so far (the zygote has not booted).

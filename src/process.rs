@@ -21,7 +21,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
-use crate::zygote::plumbing::Claimed;
+use crate::fds::Claimed;
 
 /// How a child process ended, as its parent saw it when reaping it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

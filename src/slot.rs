@@ -35,9 +35,9 @@ use sha2::{Digest, Sha256};
 use crate::end::End;
 use crate::link::follow::{self, Followed};
 use crate::link::{self, Frame, Receiver};
+use crate::output::CallOutput;
 use crate::protocol;
 use crate::worker::WorkerOptions;
-use crate::zygote::flight::CallOutput;
 
 /// Turns a worker into a slot of a shared zygote, for the pool (which
 /// passes no flags).
@@ -336,7 +336,7 @@ pub fn report_status(message: Option<&str>) {
         None => "ready\n".to_string(),
         Some(why) => format!("{why}\n"),
     };
-    crate::zygote::plumbing::forget(STATUS_FD);
+    crate::fds::forget(STATUS_FD);
     // SAFETY: the status pipe is this process's; closed once written.
     let mut status = unsafe { File::from_raw_fd(STATUS_FD) };
     let _ = std::io::Write::write_all(&mut status, text.as_bytes());

@@ -211,17 +211,17 @@ impl<'de> DeserializeSeed<'de> for ErrorSeed<'_> {
     }
 }
 
-/// A [`crate::zygote::flight::CallOutput`] that remembers the reply's
+/// A [`crate::output::CallOutput`] that remembers the reply's
 /// outcome as it passes it on.
 pub struct Observed<'a> {
-    inner: &'a mut dyn crate::zygote::flight::CallOutput,
+    inner: &'a mut dyn crate::output::CallOutput,
     /// Ended as the reply passes, before it is written: whoever reads the
     /// reply finds the call counted.
     log: Option<CallLog>,
 }
 
 impl<'a> Observed<'a> {
-    pub fn new(inner: &'a mut dyn crate::zygote::flight::CallOutput, log: CallLog) -> Observed<'a> {
+    pub fn new(inner: &'a mut dyn crate::output::CallOutput, log: CallLog) -> Observed<'a> {
         Observed {
             inner,
             log: Some(log),
@@ -236,7 +236,7 @@ impl<'a> Observed<'a> {
     }
 }
 
-impl crate::zygote::flight::CallOutput for Observed<'_> {
+impl crate::output::CallOutput for Observed<'_> {
     fn event(&mut self, line: &[u8]) {
         self.inner.event(line);
     }

@@ -16,10 +16,11 @@ use std::process::ExitCode;
 
 use pyo3::prelude::*;
 
+use crate::fds;
+use crate::output::CallOutput;
 use crate::protocol;
 use crate::zygote::channel::write_all;
-use crate::zygote::flight::CallOutput;
-use crate::zygote::{self, Zygote, ZygoteOptions, plumbing, recovery};
+use crate::zygote::{self, Zygote, ZygoteOptions, recovery};
 
 /// How `worker` is run.
 #[derive(Debug, Clone)]
@@ -44,8 +45,8 @@ pub fn run(options: &WorkerOptions) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    plumbing::claim(request_fd);
-    plumbing::claim(reply_fd);
+    fds::claim(request_fd);
+    fds::claim(reply_fd);
     zygote::run(
         &options.zygote,
         zygote::print_startup_error,

@@ -40,7 +40,7 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use crate::zygote::plumbing::Claimed;
+use crate::fds::Claimed;
 use cgroup::Version;
 
 /// Forces a mechanism (`cgroup` or `session`); unset, cgroups where they
@@ -261,7 +261,7 @@ pub fn establish(role: Role, options: &Options) -> Result<Mechanism, Containment
     Ok(mechanism)
 }
 
-/// In a node's own zygote (`crate::zygote::app`), just forked from the
+/// In a node's own zygote, just forked from the
 /// zygote: none of its parent's cells are its own, its cells go in a
 /// subtree of their own, which its parent ends if it dies (whatever its
 /// calls left there, daemons included), and it is a subreaper as its

@@ -19,7 +19,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use super::cgroup;
-use crate::zygote::plumbing::Claimed;
+use crate::fds::Claimed;
 
 /// The fd the warden reads its owner's pipe on.
 const PIPE_FD: i32 = 3;

@@ -17,8 +17,8 @@ use serde_json::value::RawValue;
 use super::{Frame, Received, Receiver};
 use crate::end::End;
 use crate::lines::{LineBuffer, Piece};
+use crate::output::CallOutput;
 use crate::protocol;
-use crate::zygote::flight::CallOutput;
 
 /// How following a call ended.
 pub enum Followed {

@@ -304,7 +304,7 @@ pub struct Receiver {
     closed: bool,
     /// In a process that forks (a zygote relaying a node zygote's frames):
     /// an fd that arrived is claimed until its frame is whole and taken,
-    /// so no child forked meanwhile holds it (`zygote::plumbing`).
+    /// so no child forked meanwhile holds it (`crate::fds`).
     claiming: bool,
 }
 
@@ -369,7 +369,7 @@ impl Receiver {
         };
         if self.claiming {
             for fd in &fds {
-                crate::zygote::plumbing::claim(fd.as_raw_fd());
+                crate::fds::claim(fd.as_raw_fd());
             }
         }
         self.fds.extend(fds);
@@ -395,7 +395,7 @@ impl Receiver {
         if self.claiming {
             // Taken into the frame: its owner's now.
             for fd in frame.iter().flat_map(Frame::fds) {
-                crate::zygote::plumbing::forget(fd);
+                crate::fds::forget(fd);
             }
             debug_assert!(self.fds.len() <= queued);
         }
@@ -503,7 +503,7 @@ mod tests {
         assert!(receiver.next_frame().unwrap().is_none(), "half a frame");
         let waiting = receiver.fds[0].as_raw_fd();
         assert!(
-            crate::zygote::plumbing::is_claimed(waiting),
+            crate::fds::is_claimed(waiting),
             "an fd waiting for its frame is the zygote's: no child forked now keeps it"
         );
         nix::sys::socket::send(left.as_raw_fd(), &bytes[1..], MsgFlags::empty()).unwrap();
@@ -511,7 +511,7 @@ mod tests {
         let Some(Frame::Pipe { pipe, .. }) = receiver.next_frame().unwrap() else {
             panic!("the pipe frame");
         };
-        assert!(!crate::zygote::plumbing::is_claimed(pipe.as_raw_fd()));
+        assert!(!crate::fds::is_claimed(pipe.as_raw_fd()));
     }
 
     trait Borrowed {

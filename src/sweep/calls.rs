@@ -11,9 +11,10 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::end::End;
+use crate::fds::Claimed;
+use crate::output::CallOutput;
 use crate::protocol::{Op, Request};
-use crate::zygote::flight::{CallOutput, Flight};
-use crate::zygote::plumbing::Claimed;
+use crate::zygote::flight::Flight;
 use crate::zygote::{SpawnError, Zygote};
 
 /// How long a wait may block: a signal that lands between checking for it

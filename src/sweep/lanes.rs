@@ -33,10 +33,10 @@ use pyo3::prelude::*;
 
 use super::calls::{Calls, Done, Node};
 use super::{Source, signals};
+use crate::fds::Claimed;
 use crate::zygote::Zygote;
 use crate::zygote::app::{self, NodeZygote};
 use crate::zygote::node::NodeKey;
-use crate::zygote::plumbing::Claimed;
 
 /// How long a wait may block: a signal that lands between checking for it
 /// and polling is seen within this.

@@ -29,9 +29,9 @@ use pyo3::prelude::*;
 
 use super::capture::LogBuffer;
 use super::node::NodeKey;
-use super::plumbing::{self, Claimed};
 use super::server::Contract;
 use super::{Zygote, fork, freeze_gc, node};
+use crate::fds::{self, Claimed};
 use crate::link::{self, Frame, Received, Receiver};
 use crate::process::ExitWatch;
 
@@ -136,8 +136,8 @@ fn become_node_zygote(zygote: &mut Zygote, parent: Pid, link: Claimed) -> OwnedF
     // it: taken out first, and claimed again as this process's own.
     let link = link.release();
     crate::metrics::adopt_in_node_zygote();
-    plumbing::close_in_child();
-    plumbing::closed_all();
+    fds::close_in_child();
+    fds::closed_all();
     // SAFETY: prctl and getppid act on this process alone.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);

@@ -15,21 +15,12 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
 use super::capture::LogBuffer;
-use super::plumbing;
 use crate::containment::Cell;
+use crate::fds;
 use crate::lines::{LineBuffer, Piece, TooLarge};
+use crate::output::CallOutput;
 use crate::process::{self, ChildEnd, ExitWatch, Reaped};
 use crate::protocol;
-
-/// Where a call's lines go as they are read.
-pub trait CallOutput {
-    /// An event line (`yield`, `emit`), in the order the child wrote it.
-    fn event(&mut self, line: &[u8]);
-    /// The reply: the last line of the call.
-    fn reply(&mut self, line: &[u8]);
-    /// A child was forked for the call (a trial, then the run, say).
-    fn started(&mut self, _pid: Pid) {}
-}
 
 /// A call's child that has been forked and not yet reaped.
 pub struct Flight {
@@ -103,7 +94,7 @@ impl Flight {
     /// Gives the pipe away: its lines are read elsewhere (by the agent).
     pub fn take_pipe(&mut self) -> Option<OwnedFd> {
         let pipe = self.pipe.take()?;
-        plumbing::forget(pipe.as_raw_fd());
+        fds::forget(pipe.as_raw_fd());
         Some(pipe)
     }
 
@@ -161,7 +152,7 @@ impl Flight {
     /// EOF (or a broken pipe): half a line is no line at all.
     fn close_pipe(&mut self) {
         if let Some(pipe) = self.pipe.take() {
-            plumbing::forget(pipe.as_raw_fd());
+            fds::forget(pipe.as_raw_fd());
         }
         self.pending.clear();
     }
@@ -324,7 +315,7 @@ pub const FALLBACK_POLL_MS: u16 = 50;
 impl Drop for Flight {
     fn drop(&mut self) {
         if let Some(pipe) = &self.pipe {
-            plumbing::forget(pipe.as_raw_fd());
+            fds::forget(pipe.as_raw_fd());
         }
     }
 }

@@ -251,7 +251,7 @@ pub fn try_in_child(
         fork::Forked::Child => {
             // Its own session, dead with the zygote, none of the zygote's
             // fds or other calls' buffers; nothing of it is kept.
-            super::plumbing::close_in_child();
+            crate::fds::close_in_child();
             logs.unmap_all_others();
             fork::become_call_child(nix::unistd::getppid());
             super::capture::drop_writes();

@@ -27,7 +27,6 @@ pub mod fork;
 pub mod interpreter;
 pub mod learn;
 pub mod node;
-pub mod plumbing;
 pub mod recovery;
 pub mod resident;
 pub mod server;
@@ -44,10 +43,11 @@ use nix::unistd::Pid;
 use pyo3::prelude::*;
 
 use crate::end::End;
+use crate::output::CallOutput;
 use crate::protocol::{self, Op, Request};
 use capture::LogBuffer;
 use child::{Assignment, Function, Task, TrialVerdict};
-use flight::{CallOutput, Flight, Landed};
+use flight::{Flight, Landed};
 use interpreter::{InterpreterConfig, StartError};
 use node::NodeKey;
 
@@ -127,7 +127,7 @@ impl From<PyErr> for StartupError {
 /// Starts CPython on this thread. Call once, first, on the thread that will
 /// fork; afterwards use `Python::attach` as usual.
 pub fn boot(options: &ZygoteOptions) -> Result<(), StartupError> {
-    plumbing::claim_inherited();
+    crate::fds::claim_inherited();
     fork::install_census();
     crate::artifacts::take_token();
     // Before the interpreter: the warden is spawned while this process
@@ -598,7 +598,7 @@ impl Zygote {
         &mut self,
         py: Python<'_>,
         request: &Request,
-    ) -> Result<(Flight, plumbing::Claimed), SpawnError> {
+    ) -> Result<(Flight, crate::fds::Claimed), SpawnError> {
         let assignment = self.compiled_assignment(request, Task::Resident)?;
         self.dispatch_resident(py, &assignment, None)
     }
@@ -614,7 +614,7 @@ impl Zygote {
     /// Hands a resident child ([`Zygote::start_in_turn`]) its next run.
     pub fn next_in_turn(
         &self,
-        control: &plumbing::Claimed,
+        control: &crate::fds::Claimed,
         flight: &mut Flight,
         request: &Request,
     ) -> std::io::Result<()> {

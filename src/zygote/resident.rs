@@ -17,10 +17,11 @@ use pyo3::prelude::*;
 
 use super::capture::LogBuffer;
 use super::child::{self, Assignment, Function};
-use super::flight::{CallOutput, Flight};
+use super::flight::Flight;
 use super::node::NodeKey;
-use super::plumbing::Claimed;
 use super::{Stop, Zygote};
+use crate::fds::Claimed;
+use crate::output::CallOutput;
 
 /// How a call's child relates to the calls after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

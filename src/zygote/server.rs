@@ -25,12 +25,13 @@ use nix::unistd::Pid;
 use pyo3::prelude::*;
 
 use super::app::{self, NodeZygote};
-use super::flight::{CallOutput, FALLBACK_POLL_MS, Flight};
+use super::flight::{FALLBACK_POLL_MS, Flight};
 use super::node::NodeKey;
-use super::plumbing::Claimed;
 use super::{Zygote, ZygoteOptions};
 use crate::end::End;
+use crate::fds::Claimed;
 use crate::link::{self, Frame, Received, Receiver};
+use crate::output::CallOutput;
 use crate::process::ExitWatch;
 use crate::protocol;
 

@@ -27,10 +27,11 @@ use serde_json::value::RawValue;
 use super::capture::LogBuffer;
 use super::child::{self, Assignment, Task};
 use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
-use super::plumbing::Claimed;
-use super::{SpawnError, Zygote, fork, freeze_gc, plumbing};
+use super::{SpawnError, Zygote, fork, freeze_gc};
 use crate::containment::Cell;
 use crate::end::End;
+use crate::fds;
+use crate::fds::Claimed;
 use crate::process::{self, ExitWatch};
 use crate::protocol::{self, Request};
 
@@ -123,9 +124,9 @@ impl Children {
     }
 
     fn discard(&mut self, standby: Standby) {
-        plumbing::forget(standby.go.as_raw_fd());
-        plumbing::forget(standby.control.as_raw_fd());
-        plumbing::forget(standby.lines.as_raw_fd());
+        fds::forget(standby.go.as_raw_fd());
+        fds::forget(standby.control.as_raw_fd());
+        fds::forget(standby.lines.as_raw_fd());
         process::kill_group(standby.pid, Signal::SIGKILL);
         standby.cell.kill();
         self.landing.push(Landing {
@@ -234,8 +235,8 @@ impl Zygote {
             cell,
             ..
         } = standby;
-        plumbing::forget(control.as_raw_fd());
-        plumbing::forget(go.as_raw_fd());
+        fds::forget(control.as_raw_fd());
+        fds::forget(go.as_raw_fd());
         child::wake(&go);
         drop(go);
         // A child that died before reading this is reported by its flight.
@@ -329,7 +330,7 @@ impl Zygote {
                 cell.enter();
                 drop(control_write);
                 drop(lines_read);
-                plumbing::close_in_child();
+                fds::close_in_child();
                 logs.unmap_all_others();
                 super::threads::forget_shared_page();
                 fork::become_call_child(self.pid);
@@ -366,9 +367,9 @@ impl Zygote {
                     self.children.recycle(logs);
                     return Err(SpawnError::Unsafe);
                 }
-                plumbing::claim(control_write.as_raw_fd());
-                plumbing::claim(lines_read.as_raw_fd());
-                plumbing::claim(go.as_raw_fd());
+                fds::claim(control_write.as_raw_fd());
+                fds::claim(lines_read.as_raw_fd());
+                fds::claim(go.as_raw_fd());
                 Ok(Standby {
                     pid,
                     control: control_write,

@@ -1,5 +1,5 @@
-//! The zygote's own file descriptors and shared mappings, which no call's
-//! child may keep.
+//! The runtime's own file descriptors, claimed: no call's child keeps one
+//! (every fd the runtime opens is claimed, and closed in a child at fork).
 //!
 //! The request and reply streams of `worker` mode, the pipes, pidfds and
 //! wake-up calls of other calls, the cgroup files of other cells, the log
