@@ -14,7 +14,7 @@
 //! node and serves its calls over a link (`crate::link`), exactly as the
 //! agent's zygote serves the agent: its children are its own, in cells of
 //! a subtree of their own. The zygote relays requests to it and its frames
-//! back ([`super::server`]); it stays as small as its preloads, and a
+//! back (the link server); it stays as small as its preloads, and a
 //! compile in one node's zygote holds up no other node.
 //!
 //! It dies with the zygote (a parent-death SIGKILL, and the zygote's warden
@@ -28,9 +28,9 @@ use nix::unistd::Pid;
 use pyo3::prelude::*;
 
 use super::capture::LogBuffer;
+use super::fork::freeze_gc;
 use super::node::NodeKey;
-use super::server::Contract;
-use super::{Zygote, fork, freeze_gc, node};
+use super::{Zygote, fork, node};
 use crate::fds::{self, Claimed};
 use crate::link::{self, Frame, Received, Receiver};
 use crate::process::ExitWatch;
@@ -50,24 +50,6 @@ pub struct Preload<'a> {
     pub digest: &'a str,
     /// Its warm-up's `--warmup` arguments, or why it is refused (`super::warmup`).
     pub warm: Result<Option<&'a str>, &'a str>,
-}
-
-/// Forks a zygote of its own for node `key`. It loads `preload` first (if
-/// given), then serves the link under `contract` until the link closes.
-/// Returns in the parent only.
-pub fn spawn(
-    py: Python<'_>,
-    zygote: &mut Zygote,
-    key: &NodeKey,
-    contract: Contract,
-    preload: Option<Preload<'_>>,
-) -> std::io::Result<NodeZygote> {
-    fork_own(py, zygote, key, |py, zygote, link| {
-        if let Some(preload) = preload {
-            zygote.load_into_zygote(py, key, preload.source, preload.digest, preload.warm);
-        }
-        super::server::serve_link(py, zygote, link, contract, key)
-    })
 }
 
 /// Cores one fork loop keeps busy. Measured on a trivial call: its zygote
@@ -105,7 +87,7 @@ pub fn fork_own(
             let link = become_node_zygote(zygote, parent, theirs);
             let code = serve(py, zygote, Claimed::new(link));
             zygote.shutdown();
-            super::child::exit(code)
+            crate::process::exit_now(code)
         }
         fork::Forked::Parent { pid, safe } => {
             drop(theirs);

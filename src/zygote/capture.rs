@@ -443,3 +443,15 @@ pub fn register_as_text_stream(py: Python<'_>) -> PyResult<()> {
         .call_method1("register", (py.get_type::<LogCapture>(),))?;
     Ok(())
 }
+
+/// Runs `f` with `sys.stdout`/`sys.stderr` captured into nothing.
+pub fn quietly<'py, R>(py: Python<'py>, f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
+    let sys = py.import("sys")?;
+    let (stdout, stderr) = (sys.getattr("stdout")?, sys.getattr("stderr")?);
+    drop_writes();
+    redirect_stdio(py)?;
+    let result = f();
+    sys.setattr("stdout", stdout)?;
+    sys.setattr("stderr", stderr)?;
+    result
+}

@@ -20,7 +20,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::unistd::Pid;
-use pyo3::{Python, ffi};
+use pyo3::ffi;
+use pyo3::prelude::*;
 
 /// Set only around the zygote's own forks: a node forking in its child
 /// (multiprocessing, say) must not pay for a census nobody reads.
@@ -186,5 +187,14 @@ pub fn become_call_child(zygote: Pid) {
         if libc::getppid() != zygote.as_raw() {
             on_parent_death(0);
         }
+    }
+}
+
+/// `gc.freeze()`: whatever the zygote allocated since stays in the
+/// permanent generation, so a child's collections never touch (and copy)
+/// the zygote's pages.
+pub fn freeze_gc(py: Python<'_>) {
+    if let Ok(gc) = py.import("gc") {
+        let _ = gc.call_method0("freeze");
     }
 }

@@ -263,7 +263,7 @@ pub fn try_in_child(
                 FORK_UNSAFE
             };
             logs.set_report(format!("{IMPORTED}{}", imported.join("\n")).as_bytes());
-            super::child::exit(code)
+            crate::process::exit_now(code)
         }
         fork::Forked::Parent { pid, safe } => {
             let ended = wait_for(pid, TRY_FOR);

@@ -18,6 +18,7 @@
 //! by `fork::census`, at the moment of the fork.
 
 pub mod app;
+pub mod assignment;
 pub mod capture;
 pub mod channel;
 pub mod child;
@@ -28,6 +29,7 @@ pub mod interpreter;
 pub mod learn;
 pub mod node;
 pub mod recovery;
+pub mod reply;
 pub mod resident;
 pub mod server;
 pub mod signals;
@@ -45,8 +47,8 @@ use pyo3::prelude::*;
 use crate::end::End;
 use crate::output::CallOutput;
 use crate::protocol::{self, Op, Request};
+use assignment::{Assignment, Function, Task, TrialVerdict};
 use capture::LogBuffer;
-use child::{Assignment, Function, Task, TrialVerdict};
 use flight::{Flight, Landed};
 use interpreter::{InterpreterConfig, StartError};
 use node::NodeKey;
@@ -254,7 +256,7 @@ impl Zygote {
         let (preloaded, installed) = signals::watch(py, || {
             for module in &options.preload {
                 if let Err(error) = py.import(module.as_str()) {
-                    let error = error_line(py, &error);
+                    let error = reply::error_line(py, &error);
                     return Err(StartupError::Preload {
                         module: module.clone(),
                         error,
@@ -622,7 +624,7 @@ impl Zygote {
             .compiled_digest(request)
             .unwrap_or_else(|| node::source_digest(&request.source));
         flight.rearm();
-        child::send_assignment(
+        assignment::send_assignment(
             control,
             &Assignment::for_request(request, Task::Resident, &digest),
         )
@@ -700,14 +702,14 @@ impl Zygote {
         warm: Result<Option<&str>, &str>,
     ) {
         // Its output was reported by the trial; here it goes nowhere.
-        let loaded = quietly(py, || node::load_in_zygote(py, key, source, digest));
+        let loaded = capture::quietly(py, || node::load_in_zygote(py, key, source, digest));
         let residence = match loaded {
             Ok(function) => Residence::Zygote(function.unbind()),
             Err(error) => {
                 tracing::warn!(
                     "node {key} loaded in its trial but not in the zygote ({}); it is loaded in \
                      each call's child instead",
-                    error_line(py, &error)
+                    reply::error_line(py, &error)
                 );
                 Residence::EachChild
             }
@@ -757,7 +759,8 @@ impl Zygote {
             Ok(None) => return None,
             Err(why) => return Some(why),
         };
-        let warmed = quietly(py, || Ok(warmup::run(py, function, &kwargs))).unwrap_or(Ok(()));
+        let warmed =
+            capture::quietly(py, || Ok(warmup::run(py, function, &kwargs))).unwrap_or(Ok(()));
         match warmed {
             Ok(()) => {
                 // What it built stays; standbys forked before it do not have it.
@@ -923,18 +926,19 @@ impl Zygote {
             digest,
             warm,
         };
-        let started = app::spawn(py, self, key, server::Contract::Worker, Some(preload))
-            .map_err(|error| error.to_string())
-            .and_then(|node_zygote| {
-                let mut receiver = crate::link::Receiver::default();
-                match app::wait_ready(&node_zygote, &mut receiver) {
-                    Ok(()) => Ok(node_zygote),
-                    Err(why) => {
-                        node_zygote.end();
-                        Err(why)
+        let started =
+            server::spawn_node_zygote(py, self, key, server::Contract::Worker, Some(preload))
+                .map_err(|error| error.to_string())
+                .and_then(|node_zygote| {
+                    let mut receiver = crate::link::Receiver::default();
+                    match app::wait_ready(&node_zygote, &mut receiver) {
+                        Ok(()) => Ok(node_zygote),
+                        Err(why) => {
+                            node_zygote.end();
+                            Err(why)
+                        }
                     }
-                }
-            });
+                });
         match started {
             Ok(node_zygote) => {
                 tracing::info!(
@@ -1039,42 +1043,6 @@ pub enum SpawnError {
     Io(std::io::Error),
     /// `start_run` of a node no `compile` loaded.
     NotCompiled,
-}
-
-/// `gc.freeze()`: whatever the zygote allocated since stays in the
-/// permanent generation, so a child's collections never touch (and copy)
-/// the zygote's pages.
-fn freeze_gc(py: Python<'_>) {
-    if let Ok(gc) = py.import("gc") {
-        let _ = gc.call_method0("freeze");
-    }
-}
-
-/// Runs `f` with `sys.stdout`/`sys.stderr` captured into nothing.
-fn quietly<'py, R>(py: Python<'py>, f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
-    let sys = py.import("sys")?;
-    let (stdout, stderr) = (sys.getattr("stdout")?, sys.getattr("stderr")?);
-    capture::drop_writes();
-    capture::redirect_stdio(py)?;
-    let result = f();
-    sys.setattr("stdout", stdout)?;
-    sys.setattr("stderr", stderr)?;
-    result
-}
-
-/// `Type: message` of a Python error, for a log line or a refusal.
-pub fn error_line(py: Python<'_>, error: &PyErr) -> String {
-    let kind = error
-        .get_type(py)
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "Exception".into());
-    match error.value(py).str() {
-        Ok(message) if !message.to_string_lossy().is_empty() => {
-            format!("{kind}: {}", message.to_string_lossy())
-        }
-        _ => kind,
-    }
 }
 
 /// The held-back reply of a trial: a run serves its own reply after it.

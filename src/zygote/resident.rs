@@ -15,8 +15,9 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use pyo3::prelude::*;
 
+use super::assignment::{self, Assignment, Function};
 use super::capture::LogBuffer;
-use super::child::{self, Assignment, Function};
+use super::child;
 use super::flight::Flight;
 use super::node::NodeKey;
 use super::{Stop, Zygote};
@@ -68,7 +69,7 @@ impl Zygote {
                 }
                 // A child that died since its last reply is found out by
                 // following it: its flight says how it ended.
-                let _ = child::send_assignment(&resident.control, assignment);
+                let _ = assignment::send_assignment(&resident.control, assignment);
                 resident.flight.rearm();
                 out.started(resident.flight.pid);
                 resident
@@ -162,7 +163,7 @@ pub(super) fn serve_in_turn(
                 Err(error) => {
                     // As a fresh child would: the load's error is the reply.
                     answer(py, &call, Err(error));
-                    child::exit(0)
+                    crate::process::exit_now(0)
                 }
             }
         }
@@ -187,12 +188,12 @@ pub(super) fn serve_in_turn(
             super::finish::between_calls(py);
             unflushed = Unflushed::default();
         }
-        call = match child::next_assignment(control.as_raw_fd()) {
+        call = match assignment::next_assignment(control.as_raw_fd()) {
             Some(call) => call,
             // Retired: what `python3` writes out at exit, then gone.
             None => {
                 super::finish::at_end(py, super::finish::Ending::Exit);
-                child::exit(0)
+                crate::process::exit_now(0)
             }
         };
     }
@@ -241,10 +242,10 @@ fn answer(py: Python<'_>, call: &Assignment, outcome: PyResult<Option<Bound<'_, 
         && error.is_instance_of::<pyo3::exceptions::PySystemExit>(py)
     {
         at_end(py, Ending::Exit);
-        child::exit(child::system_exit_code(py, error));
+        crate::process::exit_now(super::reply::system_exit_code(py, error));
     }
     // Written out after each call; closed only when the child exits.
     at_end(py, Ending::Between);
-    let reply = child::encode_reply(py, call, outcome);
+    let reply = super::reply::encode_reply(py, call, outcome);
     let _ = super::channel::send_reply(py, &reply);
 }

@@ -128,6 +128,24 @@ fn serve_links(
     })
 }
 
+/// Forks a zygote of its own for node `key`. It loads `preload` first (if
+/// given), then serves the link under `contract` until the link closes.
+/// Returns in the parent only.
+pub(super) fn spawn_node_zygote(
+    py: Python<'_>,
+    zygote: &mut Zygote,
+    key: &NodeKey,
+    contract: Contract,
+    preload: Option<app::Preload<'_>>,
+) -> std::io::Result<NodeZygote> {
+    app::fork_own(py, zygote, key, |py, zygote, link| {
+        if let Some(preload) = preload {
+            zygote.load_into_zygote(py, key, preload.source, preload.digest, preload.warm);
+        }
+        serve_link(py, zygote, link, contract, key)
+    })
+}
+
 /// A node's own zygote (or a lane of one) serving the link to the zygote
 /// that forked it, until it closes; the exit code.
 pub(super) fn serve_link(
@@ -684,7 +702,7 @@ impl Server {
         }
         self.retire_one();
         let pending = self.pending_held();
-        let node_zygote = app::spawn(py, zygote, key, self.contract, None)?;
+        let node_zygote = spawn_node_zygote(py, zygote, key, self.contract, None)?;
         drop(pending);
         set_nonblocking(node_zygote.raw_link());
         let pid = node_zygote.pid;

@@ -24,10 +24,12 @@ use nix::unistd::Pid;
 use pyo3::prelude::*;
 use serde_json::value::RawValue;
 
+use super::assignment::{self, Assignment, Task};
 use super::capture::LogBuffer;
-use super::child::{self, Assignment, Task};
+use super::child;
 use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
-use super::{SpawnError, Zygote, fork, freeze_gc};
+use super::fork::freeze_gc;
+use super::{SpawnError, Zygote, fork};
 use crate::containment::Cell;
 use crate::end::End;
 use crate::fds;
@@ -237,10 +239,10 @@ impl Zygote {
         } = standby;
         fds::forget(control.as_raw_fd());
         fds::forget(go.as_raw_fd());
-        child::wake(&go);
+        assignment::wake(&go);
         drop(go);
         // A child that died before reading this is reported by its flight.
-        let _ = child::send_assignment(&control, assignment);
+        let _ = assignment::send_assignment(&control, assignment);
         let control = keep_control.then(|| Claimed::new(control));
         Ok((Flight::new(pid, lines, logs, cell, Instant::now()), control))
     }
@@ -282,7 +284,7 @@ impl Zygote {
             return;
         };
         let imported =
-            super::quietly(py, || Ok(super::learn::import_here(py, &names))).unwrap_or(0);
+            super::capture::quietly(py, || Ok(super::learn::import_here(py, &names))).unwrap_or(0);
         if imported > 0 {
             tracing::debug!(
                 "learned {imported} modules the calls imported: {}",
@@ -300,7 +302,7 @@ impl Zygote {
         };
         let (control_read, control_write) = pipe()?;
         let (lines_read, lines_write) = pipe()?;
-        let go = child::wake_up_call().map_err(SpawnError::Io)?;
+        let go = assignment::wake_up_call().map_err(SpawnError::Io)?;
         let logs = self.children.fresh_logs().map_err(SpawnError::Io)?;
         let cell = match Cell::new() {
             Ok(cell) => cell,
@@ -335,9 +337,9 @@ impl Zygote {
                 super::threads::forget_shared_page();
                 fork::become_call_child(self.pid);
                 child::stand_by(py, &logs, self.loaded_functions());
-                child::wait_for_call(&go);
+                assignment::wait_for_call(&go);
                 drop(go);
-                let assignment = child::receive(control_read.as_raw_fd());
+                let assignment = assignment::receive(control_read.as_raw_fd());
                 let function = self.function_for(&assignment);
                 if assignment.task == Task::Resident {
                     super::resident::serve_in_turn(

@@ -26,7 +26,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::{channel, child, fork};
+use super::{channel, fork};
 
 /// The module-level name a node asks for a warm-up with.
 pub const ATTRIBUTE: &str = "__fluksio_warmup__";
@@ -44,7 +44,7 @@ pub fn kwargs<'py>(
     explicit: Option<&str>,
 ) -> Result<Option<Bound<'py, PyDict>>, String> {
     if let Some(text) = explicit {
-        let decoded = channel::loads(py, text).map_err(|e| super::error_line(py, &e))?;
+        let decoded = channel::loads(py, text).map_err(|e| super::reply::error_line(py, &e))?;
         return decoded
             .cast_into::<PyDict>()
             .map(Some)
@@ -113,7 +113,7 @@ pub fn run(
             why: if error.is_instance_of::<pyo3::exceptions::PySystemExit>(py) {
                 "it called sys.exit()".into()
             } else {
-                format!("it raised {}", child::short_description(py, &error))
+                format!("it raised {}", super::reply::short_description(py, &error))
             },
             poisoned: false,
         }),
