@@ -1,11 +1,15 @@
-//! The link between the agent and its zygote: frames over a Unix socket.
+//! The link: frames over a Unix socket between a process that owns calls
+//! and a zygote that forks them. The one wire between the runtime's
+//! processes: the agent and its zygote, pool slots and their shared zygote,
+//! a zygote and a node's own zygote, a node's zygote and its lanes.
 //!
-//! The agent has threads, so it never forks user code; the zygote does, and
-//! hands each run's line pipe and a pidfd of its child to the agent across
-//! the socket (SCM_RIGHTS). The agent then reads the call's lines itself,
-//! and can kill the call's process exactly, whatever the zygote is busy with.
+//! The owner may have threads, so it never forks node code; the zygote
+//! does, and hands each run's line pipe and a pidfd of its child to the
+//! owner across the socket (SCM_RIGHTS). The owner then reads the call's
+//! lines itself, and can kill the call's process exactly, whatever the
+//! zygote is busy with.
 //!
-//! A frame is `[u32 length][u8 kind][u64 ticket][payload]`; the agent picks
+//! A frame is `[u32 length][u8 kind][u64 ticket][payload]`; the owner picks
 //! the tickets, one per request. File descriptors travel with the frame that
 //! names them, in the same `sendmsg`, and are taken in order on receipt.
 
@@ -25,7 +29,7 @@ pub const MAX_PAYLOAD: usize = u32::MAX as usize - 16;
 /// What travels on the link.
 #[derive(Debug)]
 pub enum Frame {
-    /// Agent → zygote: serve this request line (of the worker contract).
+    /// Owner → zygote: serve this request line (of the worker contract).
     Call { ticket: u64, request: Vec<u8> },
     /// The zygote started: its preloads imported, ready for calls.
     Ready,
@@ -37,12 +41,12 @@ pub enum Frame {
         pid: i32,
         pidfd: OwnedFd,
     },
-    /// The run's events and reply come on this pipe, read by the agent.
+    /// The run's events and reply come on this pipe, read by the owner.
     Pipe { ticket: u64, pipe: OwnedFd },
     /// A line the zygote read (or wrote) itself for the call.
     Line { ticket: u64, line: Vec<u8> },
     /// The run's child ended (reaped); what it printed, for a reply the
-    /// agent writes if the child wrote none.
+    /// owner writes if the child wrote none.
     Ended {
         ticket: u64,
         end: ChildEnd,
@@ -134,7 +138,7 @@ impl Frame {
         }
     }
 
-    /// The bytes of a frame that carries no fd (what the agent sends).
+    /// The bytes of a frame that carries no fd (what an owner sends).
     pub fn bytes(&self) -> Vec<u8> {
         let (bytes, fds) = self.encode();
         debug_assert!(fds.is_empty(), "a frame with an fd goes through `send`");

@@ -32,7 +32,8 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use pyo3::prelude::*;
 
 use super::calls::{Calls, Done, Node};
-use super::{Source, signals};
+use super::points::Points;
+use super::signals;
 use crate::fds::Claimed;
 use crate::zygote::Zygote;
 use crate::zygote::app::{self, NodeZygote};
@@ -79,7 +80,7 @@ impl Lanes {
         py: Python<'_>,
         zygote: &mut Zygote,
         node: &Node,
-        calls: &Source,
+        calls: &Points,
         (count, per_lane): (usize, usize),
         timeout: Option<Duration>,
     ) -> Result<Lanes, String> {
@@ -207,7 +208,7 @@ fn serve(
     py: Python<'_>,
     zygote: &mut Zygote,
     node: &Node,
-    source: &Source,
+    source: &Points,
     link: Claimed,
     (jobs, timeout): (usize, Option<Duration>),
 ) -> i32 {

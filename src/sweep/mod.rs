@@ -20,6 +20,7 @@ pub mod calls;
 pub mod grid;
 pub mod kwargs;
 mod lanes;
+mod points;
 pub use crate::zygote::app::default_lanes;
 mod report;
 pub mod run;
@@ -40,6 +41,7 @@ use crate::protocol::Op;
 use crate::zygote::{self, Zygote, ZygoteOptions};
 use calls::{Calls, Node};
 use kwargs::Kwargs;
+use points::Points;
 use report::{Reply, Summary};
 
 /// How `sweep` is run.
@@ -133,8 +135,8 @@ pub fn run(options: &SweepOptions) -> ExitCode {
             }
             // Every grid point has the same names: its first one stands for all.
             let checked: Vec<Kwargs> = match &prepared.calls {
-                Source::Grid(grid) => vec![grid.point(0)],
-                Source::Lines(lines) => lines.clone(),
+                Points::Grid(grid) => vec![grid.point(0)],
+                Points::Lines(lines) => lines.clone(),
             };
             let describe = |i: usize| prepared.describe(&checked[i], i);
             if let Err(message) = check_calls(py, zygote, &prepared.node, &checked, &describe) {
@@ -157,29 +159,7 @@ pub fn run(options: &SweepOptions) -> ExitCode {
 struct Prepared {
     node: Node,
     dir: PathBuf,
-    calls: Source,
-}
-
-/// Where the calls come from.
-enum Source {
-    Grid(grid::Grid),
-    Lines(Vec<Kwargs>),
-}
-
-impl Source {
-    fn len(&self) -> usize {
-        match self {
-            Source::Grid(grid) => grid.len(),
-            Source::Lines(lines) => lines.len(),
-        }
-    }
-
-    fn get(&self, index: usize) -> Kwargs {
-        match self {
-            Source::Grid(grid) => grid.point(index),
-            Source::Lines(lines) => lines[index].clone(),
-        }
-    }
+    calls: Points,
 }
 
 impl Prepared {
@@ -187,8 +167,8 @@ impl Prepared {
     fn describe(&self, kwargs: &Kwargs, index: usize) -> String {
         let kwargs = Value::Object(kwargs.clone());
         match self.calls {
-            Source::Lines(_) => format!("--input call #{index}, {kwargs}"),
-            Source::Grid(_) => format!("the call {kwargs}"),
+            Points::Lines(_) => format!("--input call #{index}, {kwargs}"),
+            Points::Grid(_) => format!("the call {kwargs}"),
         }
     }
 }
@@ -197,7 +177,7 @@ fn prepare(options: &SweepOptions) -> Result<Prepared, String> {
     let (node, dir) = read_node(&options.node, "sweep")?;
     let base = kwargs::fixed(options.kwargs.as_deref(), &options.pairs)?;
     let calls = match &options.input {
-        Some(path) => Source::Lines(kwargs::input(path, &base)?),
+        Some(path) => Points::Lines(kwargs::input(path, &base)?),
         None if options.grids.is_empty() => {
             return Err(
                 "nothing to sweep: give --grid NAME=VALUES or --input FILE\nhint: for one call, \
@@ -211,7 +191,7 @@ fn prepare(options: &SweepOptions) -> Result<Prepared, String> {
                 .iter()
                 .map(|spec| grid::parse_axis(spec))
                 .collect::<Result<Vec<_>, _>>()?;
-            Source::Grid(grid::Grid::new(axes, base)?)
+            Points::Grid(grid::Grid::new(axes, base)?)
         }
     };
     Ok(Prepared { node, dir, calls })
@@ -507,7 +487,7 @@ impl Runner<'_> {
         next: &mut usize,
         total: usize,
         jobs: usize,
-        source: &Source,
+        source: &Points,
     ) -> Result<(), String> {
         match self {
             Runner::Here(calls) => {
