@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod output;
 pub mod process;
 pub mod protocol;
+pub mod python_str;
 pub mod scrub;
 pub mod slot;
 pub mod sweep;

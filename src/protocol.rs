@@ -125,29 +125,6 @@ impl ProtocolError {
     }
 }
 
-/// What the reference treats as false: `null`, `false`, `0`, `""`, `[]`, `{}`.
-fn is_falsy(raw: &RawValue) -> bool {
-    match serde_json::from_str::<serde_json::Value>(raw.get()) {
-        Ok(serde_json::Value::Null) => true,
-        Ok(serde_json::Value::Bool(b)) => !b,
-        Ok(serde_json::Value::Number(n)) => n.as_f64() == Some(0.0),
-        Ok(serde_json::Value::String(s)) => s.is_empty(),
-        Ok(serde_json::Value::Array(a)) => a.is_empty(),
-        Ok(serde_json::Value::Object(o)) => o.is_empty(),
-        Err(_) => false,
-    }
-}
-
-/// A JSON value as Python's `str()` would show the decoded value, for the
-/// scalars a `call_id` is in practice (`true` reads `True`).
-fn python_str(raw: &RawValue) -> String {
-    match serde_json::from_str::<serde_json::Value>(raw.get()) {
-        Ok(serde_json::Value::String(s)) => s,
-        Ok(serde_json::Value::Bool(true)) => "True".into(),
-        _ => raw.get().to_string(),
-    }
-}
-
 /// The JSON `null`, as a raw value.
 pub fn null() -> &'static RawValue {
     serde_json::from_str("null").expect("null is JSON")
@@ -243,10 +220,7 @@ fn parse(line: &[u8], with_env: bool) -> Result<Request, ProtocolError> {
         })?;
 
     let id = fields.get("id").map(|raw| (*raw).to_owned());
-    let call_id = match fields.get("call_id") {
-        Some(raw) if !is_falsy(raw) => python_str(raw),
-        _ => String::new(),
-    };
+    let call_id = crate::python_str::python_str_or_empty(fields.get("call_id").copied());
     let refuse = |message: String| ProtocolError {
         id: id.clone(),
         call_id: call_id.clone(),
@@ -283,7 +257,9 @@ fn parse(line: &[u8], with_env: bool) -> Result<Request, ProtocolError> {
     let flow = string("flow", true)?;
     let node = string("node", true)?;
     let source = string("source", false)?;
-    let keep = fields.get("keep").is_none_or(|raw| !is_falsy(raw));
+    let keep = fields
+        .get("keep")
+        .is_none_or(|raw| crate::python_str::python_truth(raw));
     let kwargs = fields
         .get("kwargs")
         .filter(|raw| raw.get() != "null")
@@ -310,7 +286,7 @@ fn parse(line: &[u8], with_env: bool) -> Result<Request, ProtocolError> {
 
 /// `env` values are taken as strings, as agent.py's `str(v)` does.
 pub fn parse_env(raw: &RawValue) -> Result<Vec<(String, String)>, String> {
-    let map: BTreeMap<String, serde_json::Value> = serde_json::from_str(raw.get())
+    let map: BTreeMap<String, Box<RawValue>> = serde_json::from_str(raw.get())
         .map_err(|_| format!("\"env\" must be an object, not {}", json_kind(raw.get())))?;
     if let Some(bad) = map
         .keys()
@@ -320,13 +296,7 @@ pub fn parse_env(raw: &RawValue) -> Result<Vec<(String, String)>, String> {
     }
     Ok(map
         .into_iter()
-        .map(|(key, value)| {
-            let value = match value {
-                serde_json::Value::String(s) => s,
-                other => other.to_string(),
-            };
-            (key, value)
-        })
+        .map(|(key, value)| (key, crate::python_str::python_str(&value)))
         .collect())
 }
 

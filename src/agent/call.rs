@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use serde_json::value::RawValue;
 
-use super::Agent;
-use super::session::Session;
+use super::outbox::Outbox;
+use super::state::Agent;
 use super::zygote::Event;
 use crate::end::End;
 use crate::lines::{LineBuffer, Piece, TooLarge};
@@ -22,46 +22,24 @@ use crate::link::Frame;
 use crate::process::ChildEnd;
 use crate::protocol;
 
-/// A call in flight, as a cancel finds it.
-#[derive(Default)]
-pub struct Running {
-    /// The call's current child (a trial, then the run).
-    pidfd: Option<OwnedFd>,
-    pub cancelled: bool,
-}
-
-impl Running {
-    /// SIGKILL to the call's child, now: its pidfd names exactly it, so no
-    /// reused pid is ever hit. The zygote kills the rest of its session when
-    /// it reaps it.
-    pub fn kill(&mut self) {
-        self.cancelled = true;
-        self.kill_child();
-    }
-
-    /// SIGKILL to the call's child, not as a cancel (its reply says why).
-    fn kill_child(&self) {
-        if let Some(pidfd) = &self.pidfd {
-            crate::process::pidfd_kill(std::os::fd::AsFd::as_fd(pidfd));
-        }
-    }
-}
-
-/// Serves one run or compile to its end. `key` names it in the session's
-/// table of running calls (registered before this task first ran).
+/// Serves one run or compile to its end. `key` names it in the outbox's
+/// table of running calls (entered before this task first ran).
 pub async fn serve(
     agent: Arc<Agent>,
-    session: Arc<Session>,
+    outbox: Arc<Outbox>,
     key: u64,
     mut request: BTreeMap<String, Box<RawValue>>,
 ) {
     let started = Instant::now();
-    let call_id = text_of(request.get("call_id").map(|r| &**r));
+    let field =
+        |name: &str| crate::python_str::python_str_or_empty(request.get(name).map(|r| &**r));
+    let call_id = field("call_id");
+    let op = field("op");
+    let node = crate::telemetry::node_name(&field("flow"), &field("node"));
     let id = request
         .get("id")
         .map(|raw| raw.to_owned())
         .unwrap_or_else(|| raw("null"));
-    let op = text_of(request.get("op").map(|r| &**r));
     let env = take_env(&mut request, agent.cuda_mask.as_deref());
     if !env.is_empty() {
         request.insert(
@@ -70,15 +48,11 @@ pub async fn serve(
         );
     }
     let line = serde_json::to_vec(&request).expect("raw JSON values serialise");
-    let node = crate::telemetry::node_name(
-        &text_of(request.get("flow").map(|r| &**r)),
-        &text_of(request.get("node").map(|r| &**r)),
-    );
     let op_name = if op == "compile" { "compile" } else { "run" };
     let log = crate::telemetry::CallLog::start(op_name, call_id.clone(), node);
-    let heartbeat = session.heartbeat(&call_id);
+    let heartbeat = outbox.heartbeat(&call_id);
     let call = Call {
-        session: &session,
+        outbox: &outbox,
         key,
         call_id: &call_id,
         id: &id,
@@ -94,11 +68,7 @@ pub async fn serve(
         follow(&agent, &call, line).await
     };
     heartbeat.abort();
-    session
-        .running
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&key);
+    outbox.leave_call(key);
     agent.call_ended();
     if !detail.is_empty() {
         tracing::debug!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "{op}: {detail}");
@@ -108,7 +78,7 @@ pub async fn serve(
 
 /// One call, as its lines are sent for it.
 struct Call<'a> {
-    session: &'a Session,
+    outbox: &'a Outbox,
     key: u64,
     call_id: &'a str,
     id: &'a RawValue,
@@ -117,7 +87,7 @@ struct Call<'a> {
 impl Call<'_> {
     /// A reply this agent writes for the call: an error no node code raised.
     async fn fail(&self, kind: &str, message: &str) {
-        self.session
+        self.outbox
             .send_raw(&protocol::failure_reply(
                 self.id,
                 self.call_id,
@@ -130,36 +100,24 @@ impl Call<'_> {
 
     /// The reply for a call that ended without its node's.
     async fn end(&self, end: End, logs: &str) {
-        self.session
+        self.outbox
             .send_raw(&end.reply(self.id, self.call_id, logs))
             .await;
     }
 
     /// The child now running for the call; killed at once if cancelled.
     fn started(&self, pidfd: OwnedFd) {
-        let mut running = self
-            .session
-            .running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some((_, running)) = running.get_mut(&self.key) {
-            running.pidfd = Some(pidfd);
-            if running.cancelled {
-                running.kill();
-            }
-        }
+        self.outbox.started(self.key, pidfd);
     }
 
     /// Kills the call's child now, not as a cancel.
     fn kill_child(&self) {
-        let running = self
-            .session
-            .running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some((_, running)) = running.get(&self.key) {
-            running.kill_child();
-        }
+        self.outbox.kill_child(self.key);
+    }
+
+    /// Whether the engine cancelled the call.
+    fn cancelled(&self) -> bool {
+        self.outbox.cancelled(self.key)
     }
 }
 
@@ -202,18 +160,17 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
             Event::Frame(Frame::Started { pidfd, .. }) => call.started(pidfd),
             Event::Frame(Frame::Line { line, .. }) => {
                 if protocol::is_event(&line) {
-                    call.session.send_raw(&line).await;
+                    call.outbox.send_raw(&line).await;
                     continue;
                 }
                 // The zygote answered for a child it saw die; if that was our
                 // cancel, the engine hears NodeCancelled.
                 let cancelled = call
-                    .session
-                    .cancelled(call.key)
+                    .cancelled()
                     .then(|| crate::end::as_cancelled(&line))
                     .flatten();
                 let reply = cancelled.as_deref().unwrap_or(&line);
-                call.session.send_raw(reply).await;
+                call.outbox.send_raw(reply).await;
                 break Until::Replied(crate::telemetry::error_type(reply));
             }
             Event::Frame(Frame::Pipe { pipe, .. }) => {
@@ -237,13 +194,13 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
     match until {
         Until::Replied(error_type) => (String::new(), error_type),
         Until::Ended(end, logs) => {
-            let end = if call.session.cancelled(call.key) {
+            let end = if call.cancelled() {
                 End::Cancelled(end)
             } else {
                 End::Process(end)
             };
             let reply = end.reply(call.id, call.call_id, &logs);
-            call.session.send_raw(&reply).await;
+            call.outbox.send_raw(&reply).await;
             (
                 format!("the node process {end}"),
                 crate::telemetry::error_type(&reply),
@@ -255,7 +212,7 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
             (why, remote())
         }
         Until::TooLarge(too_large) => {
-            call.session
+            call.outbox
                 .send_raw(&too_large.reply(call.id, call.call_id))
                 .await;
             (
@@ -345,7 +302,7 @@ async fn forward_lines(call: &Call<'_>, lines: &mut LineBuffer) -> Option<Until>
         match piece {
             Piece::Line(line) => {
                 let line = line.strip_suffix(b"\n").unwrap_or(line);
-                call.session.send_raw(line).await;
+                call.outbox.send_raw(line).await;
                 if !protocol::is_event(line) {
                     return Some(Until::Replied(crate::telemetry::error_type(line)));
                 }
@@ -412,16 +369,6 @@ fn take_env(
     env
 }
 
-/// A JSON value as `str()` of it would read: a string's text, else its JSON.
-pub fn text_of(raw: Option<&RawValue>) -> String {
-    match raw.map(|r| serde_json::from_str::<serde_json::Value>(r.get())) {
-        Some(Ok(serde_json::Value::String(s))) => s,
-        Some(Ok(serde_json::Value::Null)) | None => String::new(),
-        Some(Ok(other)) => other.to_string(),
-        Some(Err(_)) => String::new(),
-    }
-}
-
-pub fn raw(text: &str) -> Box<RawValue> {
+fn raw(text: &str) -> Box<RawValue> {
     RawValue::from_string(text.to_string()).expect("valid JSON")
 }

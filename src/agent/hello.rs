@@ -5,7 +5,7 @@ use std::path::Path;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use super::AgentOptions;
+use super::options::AgentOptions;
 
 /// The protocol spoken with the engine.
 pub const PROTOCOL: u32 = 3;

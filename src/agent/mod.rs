@@ -11,26 +11,34 @@
 //!    that is not `welcome`, an HTTP 401/403) stops the agent, exit 1.
 //! 3. SIGTERM or Ctrl-C: every call ends, exit 0. `--max-idle`: the same
 //!    once nothing has run for that long.
+//!
+//! Its files depend one way: this front starts `session`, which dispatches
+//! to `call` and `service`; those send through the session's `outbox` and
+//! read what the whole agent shares (`state`), none of them naming the
+//! ones above it.
 
 mod call;
 mod env;
 mod hello;
+mod options;
+mod outbox;
 mod service;
 mod session;
+mod state;
 mod tls;
 mod zygote;
 
-use std::collections::BTreeMap;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OnceCell, watch};
 
-use crate::zygote::ZygoteOptions;
+pub use options::AgentOptions;
 use session::SessionEnd;
-use zygote::{Launch, Zygote};
+use state::Agent;
+use zygote::Launch;
 
 /// Sent while a call is running, so the engine can tell working from wedged.
 const HEARTBEAT: Duration = Duration::from_secs(10);
@@ -40,130 +48,6 @@ const HEARTBEAT_ENV: &str = "FLUKSIO_AGENT_HEARTBEAT_S";
 const WORKER_TOKEN_ENV: &str = "FLUKSIO_WORKER_TOKEN";
 /// Reconnection backs off to this and no further.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
-
-/// The agent's flags, as agent.py's.
-#[derive(Debug, Clone)]
-pub struct AgentOptions {
-    pub url: String,
-    pub token: String,
-    pub name: String,
-    pub labels: Vec<String>,
-    pub zygote: ZygoteOptions,
-    pub parallel: u32,
-    pub artifact_url: String,
-    pub service_host: String,
-    pub insecure: bool,
-    pub cpus: Option<u64>,
-    pub gpus: Option<u64>,
-    pub ram_mb: Option<u64>,
-    pub max_idle: f64,
-    pub ca_cert: Option<std::path::PathBuf>,
-    /// `--metrics ADDR`, served from this process.
-    pub metrics: Option<String>,
-}
-
-/// What the whole agent shares, across sessions.
-pub struct Agent {
-    options: AgentOptions,
-    tls: Arc<rustls::ClientConfig>,
-    /// Node code's environment: the host's minus credentials, plus the
-    /// artifact store's URL.
-    node_env: BTreeMap<String, String>,
-    /// `CUDA_VISIBLE_DEVICES` this agent runs under, to remap a call's.
-    cuda_mask: Option<String>,
-    launch: Launch,
-    zygote: tokio::sync::Mutex<Option<Arc<Zygote>>>,
-    venv_digest: OnceCell<String>,
-    heartbeat: Duration,
-    active: AtomicUsize,
-    last_done: Mutex<Instant>,
-    /// Why the agent must stop (a zygote that cannot start).
-    fatal: Mutex<Option<String>>,
-    stop: watch::Sender<bool>,
-}
-
-impl Agent {
-    /// The zygote, started (again) if it is not running. A zygote that
-    /// fails to start stops the agent with its error.
-    async fn zygote(&self) -> Result<Arc<Zygote>, String> {
-        let mut slot = self.zygote.lock().await;
-        if let Some(zygote) = slot.as_ref().filter(|z| z.alive()) {
-            return Ok(Arc::clone(zygote));
-        }
-        if slot.is_some() {
-            tracing::warn!("the zygote ended; starting a new one");
-        }
-        match Zygote::start(&self.launch).await {
-            Ok(zygote) => {
-                *slot = Some(Arc::clone(&zygote));
-                Ok(zygote)
-            }
-            Err(why) => {
-                let why = format!("the zygote could not start: {why}");
-                *self.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.clone());
-                let _ = self.stop.send(true);
-                Err(why)
-            }
-        }
-    }
-
-    /// `pip freeze`'s digest, computed once, off the runtime.
-    async fn venv_digest(&self) -> String {
-        let python = self.options.zygote.python.clone();
-        self.venv_digest
-            .get_or_init(|| async move {
-                tokio::task::spawn_blocking(move || hello::venv_digest(&python))
-                    .await
-                    .unwrap_or_default()
-            })
-            .await
-            .clone()
-    }
-
-    /// Exit 2 (a start-up failure, as in every mode), with the reason
-    /// logged, if a zygote could not start: that stops the agent however the
-    /// session ended.
-    fn fatal_exit(&self) -> Option<ExitCode> {
-        let why = self
-            .fatal
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()?;
-        tracing::error!("{why}");
-        Some(ExitCode::from(2))
-    }
-
-    fn call_started(&self) {
-        self.active.fetch_add(1, Ordering::SeqCst);
-    }
-
-    fn call_ended(&self) {
-        self.active.fetch_sub(1, Ordering::SeqCst);
-        self.touch();
-    }
-
-    fn touch(&self) {
-        *self.last_done.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
-    }
-
-    /// How often to look for `--max-idle`, if it is set.
-    fn idle_tick(&self) -> Option<Duration> {
-        (self.options.max_idle > 0.0)
-            .then(|| Duration::from_secs_f64((self.options.max_idle / 4.0).clamp(0.25, 30.0)))
-    }
-
-    fn idle_past_limit(&self) -> bool {
-        self.options.max_idle > 0.0
-            && self.active.load(Ordering::SeqCst) == 0
-            && self
-                .last_done
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .elapsed()
-                .as_secs_f64()
-                >= self.options.max_idle
-    }
-}
 
 /// Why the flags cannot work; printed as is, exit 2.
 pub fn check(options: &AgentOptions) -> Result<(), String> {

@@ -15,10 +15,10 @@ use serde_json::value::RawValue;
 use tokio::io::AsyncReadExt;
 use tokio::sync::oneshot;
 
-use super::Agent;
-use super::call::text_of;
-use super::session::Session;
+use super::outbox::Outbox;
+use super::state::Agent;
 use crate::artifacts::{Digest, Store};
+use crate::python_str::{python_str, python_str_or_empty};
 
 /// How long a stopped service gets to shut down before its group is killed.
 const STOP_GRACE: Duration = Duration::from_secs(3);
@@ -28,22 +28,18 @@ const TAIL_BYTES: usize = 4096;
 /// Runs one service to its end, then says why it ended.
 pub async fn serve(
     agent: Arc<Agent>,
-    session: Arc<Session>,
+    outbox: Arc<Outbox>,
     key: u64,
     request: BTreeMap<String, Box<RawValue>>,
     stop: oneshot::Receiver<()>,
 ) {
     let started = Instant::now();
-    let call_id = text_of(request.get("call_id").map(|r| &**r));
+    let call_id = python_str_or_empty(request.get("call_id").map(|r| &**r));
     tracing::info!(call = %call_id, "serve started");
-    let heartbeat = session.heartbeat(&call_id);
+    let heartbeat = outbox.heartbeat(&call_id);
     let reason = run(&agent, &request, stop).await;
     heartbeat.abort();
-    session
-        .services
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&key);
+    outbox.leave_service(key);
     agent.call_ended();
     tracing::info!(call = %call_id, seconds = started.elapsed().as_secs_f64(), "serve ended: {reason}");
     let reply = serde_json::json!({
@@ -51,7 +47,7 @@ pub async fn serve(
         "ok": false,
         "error": {"type": "ServiceStopped", "message": reason, "short": reason, "traceback": ""},
     });
-    session.send_raw(reply.to_string().as_bytes()).await;
+    outbox.send_raw(reply.to_string().as_bytes()).await;
 }
 
 async fn run(
@@ -61,31 +57,21 @@ async fn run(
 ) -> String {
     let argv: Vec<String> = match request
         .get("argv")
-        .map(|raw| serde_json::from_str::<Vec<serde_json::Value>>(raw.get()))
+        .map(|raw| serde_json::from_str::<Vec<Box<RawValue>>>(raw.get()))
     {
-        Some(Ok(parts)) if !parts.is_empty() => parts
-            .into_iter()
-            .map(|p| match p {
-                serde_json::Value::String(s) => s,
-                other => other.to_string(),
-            })
-            .collect(),
+        Some(Ok(parts)) if !parts.is_empty() => parts.iter().map(|p| python_str(p)).collect(),
         _ => return "ValueError: a serve call needs a non-empty argv".into(),
     };
     let mut env: BTreeMap<String, String> = agent.node_env.clone();
     if let Some(Ok(extra)) = request
         .get("env")
-        .map(|raw| serde_json::from_str::<BTreeMap<String, serde_json::Value>>(raw.get()))
+        .map(|raw| serde_json::from_str::<BTreeMap<String, Box<RawValue>>>(raw.get()))
     {
         for (key, value) in extra {
-            let value = match value {
-                serde_json::Value::String(s) => s,
-                other => other.to_string(),
-            };
-            env.insert(key, value);
+            env.insert(key, python_str(&value));
         }
     }
-    let weights = text_of(request.get("weights").map(|r| &**r));
+    let weights = python_str_or_empty(request.get("weights").map(|r| &**r));
     let argv = if weights.is_empty() {
         argv
     } else {

@@ -2,12 +2,13 @@
 //! socket ends.
 //!
 //! One task per concern: this loop reads the socket, a writer task owns its
-//! sink (and pings), each call and service is a task with its own heartbeat.
+//! sink (and pings), each call and service is a task with its own heartbeat,
+//! sending through the session's [`Outbox`], where a cancel finds it.
 //! When the session ends, for whatever reason, every call and service in it
 //! ends too, its processes killed, before the caller reconnects.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
@@ -17,8 +18,9 @@ use tokio::task::JoinSet;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{self, Message};
 
-use super::call::{self, Running, text_of};
-use super::{Agent, service};
+use super::outbox::Outbox;
+use super::state::Agent;
+use super::{call, service};
 use crate::protocol;
 
 /// WebSocket pings, so a dead connection is noticed and proxies keep it.
@@ -39,99 +41,6 @@ pub enum SessionEnd {
     Idle,
     /// SIGTERM or Ctrl-C: stop, exit 0.
     Stopped,
-}
-
-/// What the calls of one session share.
-pub struct Session {
-    out: mpsc::Sender<Message>,
-    /// Runs and compiles by a key of this session's, with their call id: a
-    /// call id is the engine's, and nothing stops two calls sharing one.
-    pub running: Mutex<HashMap<u64, (String, Running)>>,
-    /// Services, the same way: sending stops one.
-    pub services: Mutex<HashMap<u64, (String, oneshot::Sender<()>)>>,
-    next_key: std::sync::atomic::AtomicU64,
-    heartbeat: Duration,
-}
-
-impl Session {
-    /// Sends one line (a JSON object) to the engine as a text frame. A
-    /// session that has ended takes nothing; the call ends with it.
-    pub async fn send_raw(&self, line: &[u8]) {
-        let text = String::from_utf8_lossy(line).into_owned();
-        let _ = self.out.send(Message::text(text)).await;
-    }
-
-    /// Says the call is alive every heartbeat interval, until aborted.
-    pub fn heartbeat(&self, call_id: &str) -> tokio::task::JoinHandle<()> {
-        let out = self.out.clone();
-        let beat = serde_json::json!({"call_id": call_id, "event": "heartbeat"}).to_string();
-        let every = self.heartbeat;
-        tokio::spawn(async move {
-            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            loop {
-                ticks.tick().await;
-                if out.send(Message::text(beat.clone())).await.is_err() {
-                    return;
-                }
-            }
-        })
-    }
-
-    pub fn cancelled(&self, key: u64) -> bool {
-        self.running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-            .is_some_and(|(_, r)| r.cancelled)
-    }
-
-    /// A run or compile: SIGKILL now. A service: SIGTERM, grace, SIGKILL.
-    /// An unknown id is ignored.
-    fn cancel(&self, call_id: &str) {
-        for (id, running) in self
-            .running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values_mut()
-        {
-            if id == call_id {
-                tracing::info!(call = %call_id, "cancelling");
-                running.kill();
-            }
-        }
-        let mut services = self.services.lock().unwrap_or_else(|e| e.into_inner());
-        let stopping: Vec<u64> = services
-            .iter()
-            .filter(|(_, (id, _))| id == call_id)
-            .map(|(k, _)| *k)
-            .collect();
-        for key in stopping {
-            if let Some((_, stop)) = services.remove(&key) {
-                tracing::info!(call = %call_id, "stopping");
-                let _ = stop.send(());
-            }
-        }
-    }
-
-    /// Ends every call and service of this session.
-    fn end_everything(&self) {
-        for (_, running) in self
-            .running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values_mut()
-        {
-            running.kill();
-        }
-        for (_, (_, stop)) in self
-            .services
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-        {
-            let _ = stop.send(());
-        }
-    }
 }
 
 /// Connects, greets, serves until the socket ends; then ends every call.
@@ -211,13 +120,7 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
         }
         let _ = sink.close().await;
     });
-    let session = Arc::new(Session {
-        out,
-        running: Mutex::new(HashMap::new()),
-        services: Mutex::new(HashMap::new()),
-        next_key: std::sync::atomic::AtomicU64::new(1),
-        heartbeat: agent.heartbeat,
-    });
+    let outbox = Arc::new(Outbox::new(out, agent.heartbeat));
     agent.touch();
     let mut calls = JoinSet::new();
     let idle_tick = agent.idle_tick();
@@ -225,7 +128,7 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
     let end = loop {
         tokio::select! {
             message = stream.next() => match message {
-                Some(Ok(Message::Text(text))) => dispatch(agent, &session, &mut calls, text.as_str()),
+                Some(Ok(Message::Text(text))) => dispatch(agent, &outbox, &mut calls, text.as_str()),
                 Some(Ok(Message::Close(_))) | None => break SessionEnd::Closed,
                 Some(Ok(_)) => {}
                 Some(Err(error)) => break lost(&error),
@@ -241,9 +144,9 @@ pub async fn run(agent: &Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Ses
     };
     // The engine has failed these calls already, and a process left running
     // would keep its port and its card for the next one.
-    session.end_everything();
+    outbox.end_everything();
     while calls.join_next().await.is_some() {}
-    drop(session);
+    drop(outbox);
     let _ = writer.await;
     end
 }
@@ -353,8 +256,12 @@ fn decode(text: &str) -> Incoming {
             "ignored a message that is not a JSON object"
         });
     };
-    let call_id = text_of(message.get("call_id").map(|r| &**r));
-    let op = text_of(message.get("op").map(|r| &**r));
+    let call_id = crate::python_str::python_str_or_empty(message.get("call_id").map(|r| &**r));
+    // Not `str()` of it: an op that is not a string is no op served here.
+    let op = message
+        .get("op")
+        .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
+        .unwrap_or_default();
     if too_deep {
         if call_id.is_empty() || !matches!(op.as_str(), "run" | "compile" | "serve") {
             return Incoming::Unreadable("ignored a message nested too deep, naming no call");
@@ -379,52 +286,35 @@ fn decode(text: &str) -> Incoming {
 
 /// One message from the engine: a call starts, a cancel lands, the rest
 /// is ignored.
-fn dispatch(agent: &Arc<Agent>, session: &Arc<Session>, calls: &mut JoinSet<()>, text: &str) {
-    // Registered before the task first runs: a cancel right behind the call,
-    // or the socket dropping, must find it.
-    let key = || {
-        session
-            .next_key
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    };
+fn dispatch(agent: &Arc<Agent>, outbox: &Arc<Outbox>, calls: &mut JoinSet<()>, text: &str) {
     match decode(text) {
         Incoming::Call { call_id, message } => {
-            let key = key();
-            session
-                .running
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(key, (call_id, Running::default()));
+            let key = outbox.enter_call(call_id);
             agent.call_started();
             calls.spawn(call::serve(
                 Arc::clone(agent),
-                Arc::clone(session),
+                Arc::clone(outbox),
                 key,
                 message,
             ));
         }
         Incoming::Serve { call_id, message } => {
-            let key = key();
             let (stop, stopped) = oneshot::channel();
-            session
-                .services
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(key, (call_id, stop));
+            let key = outbox.enter_service(call_id, stop);
             agent.call_started();
             calls.spawn(service::serve(
                 Arc::clone(agent),
-                Arc::clone(session),
+                Arc::clone(outbox),
                 key,
                 message,
                 stopped,
             ));
         }
-        Incoming::Cancel(call_id) => session.cancel(&call_id),
+        Incoming::Cancel(call_id) => outbox.cancel(&call_id),
         Incoming::Refused { call_id, reply } => {
             tracing::warn!(call = %call_id, "refused a call nested too deep");
-            let session = Arc::clone(session);
-            calls.spawn(async move { session.send_raw(&reply).await });
+            let outbox = Arc::clone(outbox);
+            calls.spawn(async move { outbox.send_raw(&reply).await });
         }
         Incoming::Unreadable(why) => tracing::warn!("{why}"),
         Incoming::Ignored => {}
