@@ -318,7 +318,7 @@ impl ZygoteArgs {
 
     fn options(&self) -> ZygoteOptions {
         ZygoteOptions {
-            python: crate::zygote::interpreter::resolve(self.python.as_deref()).0,
+            python: fluksio_embed::interpreter::resolve(self.python.as_deref()).0,
             preload: self
                 .preload
                 .iter()

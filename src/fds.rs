@@ -104,3 +104,14 @@ impl Drop for Claimed {
         forget(self.0.as_raw_fd());
     }
 }
+
+/// Puts `fd` in non-blocking mode: a read takes what is there and returns.
+pub fn set_nonblocking(fd: RawFd) {
+    // SAFETY: fcntl's flag calls touch no memory; a stale fd gives EBADF.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+        }
+    }
+}

@@ -1,160 +1,59 @@
-//! `import fluksio` inside a node: the module, native.
+//! `import fluksio` inside a node: the runtime behind the native module.
 //!
-//! Node code's whole interface to the engine. Installed in `sys.modules`
-//! before anything can import, so it wins over an SDK of the same name in
-//! the venv, as `worker_main.py`'s `_Reporter` does.
+//! The module itself (its functions' arguments and return values, the
+//! logger, the inert authoring API) is `fluksio_embed::module`. What its
+//! functions do outside Python is here, as the [`Runtime`] host it is
+//! installed with:
 //!
-//! - `emit(**ports)`: publish on output ports without returning yet.
-//! - `save_artifact(source, name, media_type)` / `load_artifact(ref)`: the
-//!   artifact store (`crate::artifacts`), in Rust, with the GIL released
-//!   while bytes move.
-//! - `logger`: the `fluksio` logger, INFO, not propagated; its records land
-//!   in the call's logs like a print.
-//! - `Port`, `node`, `use`, `Flow`: the authoring API, inert. A node made by
-//!   `fluksio sync` imports its author's module, which declares ports and
-//!   flows at the top; those were read at sync time, so here they import and
-//!   do nothing.
+//! - `emit(**ports)`: the ports go down the call's channel as an `emit`
+//!   event (`zygote::channel`).
+//! - `save_artifact` / `load_artifact`: the artifact store the call's
+//!   environment names (`crate::artifacts`), its failures raised as the
+//!   Python exception a node author would catch.
 
 use std::path::PathBuf;
 
-use pyo3::buffer::PyBuffer;
+use fluksio_embed::module::{ArtifactStore, Host, Saved, Source};
 use pyo3::exceptions::{
     PyConnectionError, PyConnectionRefusedError, PyFileNotFoundError, PyOSError, PyPermissionError,
-    PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError,
+    PyRuntimeError, PyTimeoutError, PyValueError,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyMemoryView, PyString, PyTuple};
+use pyo3::types::PyDict;
 
-use crate::artifacts::{ArtifactError, Digest, Source, Store};
+use crate::artifacts::{self, ArtifactError, Digest, Store};
 use crate::zygote::channel;
 
-/// Puts the native `fluksio` module into `sys.modules`.
-pub fn install(py: Python<'_>) -> PyResult<()> {
-    let module = PyModule::new(py, "fluksio")?;
-    module.setattr("__doc__", "Report metrics and progress from inside a node.")?;
-    module.add_function(wrap_pyfunction!(emit, &module)?)?;
-    module.add_function(wrap_pyfunction!(save_artifact, &module)?)?;
-    module.add_function(wrap_pyfunction!(load_artifact, &module)?)?;
-    module.add_function(wrap_pyfunction!(port, &module)?)?;
-    module.add_function(wrap_pyfunction!(node, &module)?)?;
-    module.add_function(wrap_pyfunction!(r#use, &module)?)?;
-    module.add_function(wrap_pyfunction!(flow, &module)?)?;
-    module.add_class::<Declared>()?;
-    module.setattr("logger", make_logger(py)?)?;
-    py.import("sys")?
-        .getattr("modules")?
-        .set_item("fluksio", module)?;
-    Ok(())
+/// The host `fluksio`'s functions are served by in every runtime process.
+pub struct Runtime;
+
+impl Host for Runtime {
+    fn emit(&self, ports: &Bound<'_, PyDict>) -> PyResult<()> {
+        channel::send_event("emit", ports.as_any(), "emit() got")
+    }
+
+    fn artifacts(&self) -> Box<dyn ArtifactStore> {
+        Box::new(Store::from_env())
+    }
 }
 
-/// Publish on this node's output ports without returning yet.
-///
-/// Yielding says the same and should be preferred; use this where a yield
-/// cannot reach: inside a training framework's callback, say, which calls
-/// you rather than the other way round.
-#[pyfunction]
-#[pyo3(signature = (**ports))]
-fn emit(py: Python<'_>, ports: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
-    let outputs = match ports {
-        Some(ports) => ports.copy()?,
-        None => PyDict::new(py),
-    };
-    channel::send_event("emit", outputs.as_any(), "emit() got")
-}
-
-/// Store bytes or a file and return the reference to return onward.
-///
-/// `source` is `bytes`, `bytearray` or a `memoryview`, or a path (`str` or
-/// `os.PathLike`), which is read a chunk at a time. Returns
-/// `{"digest": "sha256:…", "size", "media_type", "name"}`.
-#[pyfunction]
-#[pyo3(signature = (source, name = None, media_type = None))]
-fn save_artifact<'py>(
-    py: Python<'py>,
-    source: &Bound<'py, PyAny>,
-    name: Option<String>,
-    media_type: Option<String>,
-) -> PyResult<Bound<'py, PyDict>> {
-    let media_type = media_type.unwrap_or_else(|| "application/octet-stream".into());
-    let name = name.filter(|n| !n.is_empty());
-    // Read with the GIL held: a node's thread may be changing os.environ.
-    let store = Store::from_env();
-    let is_bytes_like = source.is_instance_of::<PyBytes>()
-        || source.is_instance_of::<PyByteArray>()
-        || source.is_instance_of::<PyMemoryView>();
-    let (saved, name) = if is_bytes_like {
-        let buffer = match PyBuffer::<u8>::get(source) {
-            Ok(buffer) if buffer.is_c_contiguous() => buffer,
-            // A strided or typed view: its bytes, copied once.
-            _ => PyBuffer::<u8>::get(&py.import("builtins")?.getattr("bytes")?.call1((source,))?)?,
+impl ArtifactStore for Store {
+    fn save(&self, source: Source<'_>, name: &str, media_type: &str) -> Result<Saved, PyErr> {
+        let source = match source {
+            Source::Bytes(bytes) => artifacts::Source::Bytes(bytes),
+            Source::File(path) => artifacts::Source::File(path),
         };
-        // SAFETY: the buffer is C-contiguous and stays exported (its object
-        // alive, a bytearray unresizable) until `buffer` drops, after this.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes())
-        };
-        let saved = py.detach(|| {
-            store.save(
-                Source::Bytes(bytes),
-                name.as_deref().unwrap_or("artifact.bin"),
-                &media_type,
-            )
-        });
-        drop(buffer);
-        (saved, name.unwrap_or_else(|| "artifact.bin".into()))
-    } else if source.is_instance_of::<PyString>() || source.hasattr("__fspath__")? {
-        let path: PathBuf = py
-            .import("os")?
-            .call_method1("fsdecode", (source,))?
-            .extract::<String>()?
-            .into();
-        let name = name.unwrap_or_else(|| {
-            path.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default()
-        });
-        (
-            py.detach(|| store.save(Source::File(&path), &name, &media_type)),
-            name,
-        )
-    } else {
-        return Err(PyTypeError::new_err(format!(
-            "save_artifact takes bytes, a bytearray, a memoryview or a path, not {}",
-            source.get_type().name()?
-        )));
-    };
-    let saved = saved.map_err(to_python)?;
-    let reference = PyDict::new(py);
-    reference.set_item("digest", saved.digest.to_string())?;
-    reference.set_item("size", saved.size)?;
-    reference.set_item("media_type", media_type)?;
-    reference.set_item("name", name)?;
-    Ok(reference)
-}
+        let saved = Store::save(self, source, name, media_type).map_err(to_python)?;
+        Ok(Saved {
+            digest: saved.digest.to_string(),
+            size: saved.size,
+        })
+    }
 
-/// Fetch an artifact and hand back a local path to read it from. `ref` is
-/// the dict `save_artifact` returned, or its digest alone.
-#[pyfunction]
-#[pyo3(signature = (r#ref))]
-fn load_artifact(py: Python<'_>, r#ref: &Bound<'_, PyAny>) -> PyResult<String> {
-    let text = if let Ok(text) = r#ref.cast::<PyString>() {
-        text.to_string()
-    } else if r#ref.hasattr("get")? {
-        r#ref
-            .call_method1("get", ("digest",))?
-            .str()
-            .map(|s| s.to_string())
-            .unwrap_or_default()
-    } else {
-        return Err(PyTypeError::new_err(format!(
-            "load_artifact takes an artifact reference (the dict save_artifact returned) or its digest, not {}",
-            r#ref.get_type().name()?
-        )));
-    };
-    let digest = Digest::parse(&text).map_err(PyValueError::new_err)?;
-    let store = Store::from_env();
-    let path = py.detach(|| store.load(&digest)).map_err(to_python)?;
-    Ok(path.to_string_lossy().into_owned())
+    fn load(&self, digest: &str) -> Result<PathBuf, PyErr> {
+        let digest = Digest::parse(digest).map_err(PyValueError::new_err)?;
+        Store::load(self, &digest).map_err(to_python)
+    }
 }
 
 /// The Python exception a node author would catch for each failure.
@@ -183,128 +82,18 @@ fn to_python(error: ArtifactError) -> PyErr {
     }
 }
 
-/// The C library's text for `errno`, as `OSError` shows it.
+/// The C library's text for `errno`, as `OSError` shows it. `strerror_r`
+/// (the XSI one, which `libc` binds), not `strerror`: this runs with the GIL
+/// released, beside whatever threads the node started.
 fn strerror(errno: i32) -> String {
-    // SAFETY: strerror returns a valid C string for any errno; it is copied
-    // at once (the zygote and its children call it from one thread).
-    unsafe { std::ffi::CStr::from_ptr(libc::strerror(errno)) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-/// A port declaration, already read by `fluksio sync`.
-#[pyfunction(name = "Port")]
-#[pyo3(signature = (*_args, **_kwargs))]
-fn port(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Declared {
-    Declared
-}
-
-/// The decorator, which here gives the function straight back, called
-/// (`@node(...)`) or bare (`@node`).
-#[pyfunction]
-#[pyo3(signature = (*args, **kwargs))]
-fn node<'py>(
-    args: &Bound<'py, PyTuple>,
-    kwargs: Option<&Bound<'py, PyDict>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let py = args.py();
-    if args.len() == 1 && kwargs.is_none_or(|k| k.is_empty()) {
-        let only = args.get_item(0)?;
-        // SAFETY: PyFunction_Check only reads the object's type.
-        if unsafe { pyo3::ffi::PyFunction_Check(only.as_ptr()) } != 0 {
-            return Ok(only);
-        }
+    let mut text = [0u8; 256];
+    // SAFETY: strerror_r writes a NUL-terminated message of at most
+    // `text.len()` bytes into `text`, which outlives the call; for an
+    // unknown errno it writes "Unknown error N" and returns EINVAL.
+    unsafe { libc::strerror_r(errno, text.as_mut_ptr().cast(), text.len()) };
+    let end = text.iter().position(|&b| b == 0).unwrap_or(text.len());
+    match &text[..end] {
+        [] => format!("Unknown error {errno}"),
+        message => String::from_utf8_lossy(message).into_owned(),
     }
-    Ok(Bound::new(py, Identity)?.into_any())
-}
-
-/// One use of a node in a flow, already read by `fluksio sync`.
-#[pyfunction(name = "use")]
-#[pyo3(signature = (*_args, **_kwargs))]
-fn r#use(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Declared {
-    Declared
-}
-
-/// A flow declaration, already read by `fluksio sync`.
-#[pyfunction(name = "Flow")]
-#[pyo3(signature = (*_args, **_kwargs))]
-fn flow(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Declared {
-    Declared
-}
-
-/// Stands in for a declaration whose work was done before the run.
-///
-/// Tolerant on purpose: a module may keep one at module level and touch it
-/// in ways a node never exercises, and none of that should fail an import.
-#[pyclass(module = "fluksio", frozen)]
-struct Declared;
-
-#[pymethods]
-impl Declared {
-    fn __getattr__(&self, name: &str) -> PyResult<Declared> {
-        if name.starts_with("__") {
-            return Err(pyo3::exceptions::PyAttributeError::new_err(
-                name.to_string(),
-            ));
-        }
-        Ok(Declared)
-    }
-
-    #[pyo3(signature = (*_args, **_kwargs))]
-    fn __call__(
-        &self,
-        _args: &Bound<'_, PyTuple>,
-        _kwargs: Option<&Bound<'_, PyDict>>,
-    ) -> Declared {
-        Declared
-    }
-
-    fn __repr__(&self) -> &'static str {
-        "<fluksio declaration>"
-    }
-}
-
-/// What `node(...)` returns: a decorator that hands the function back.
-#[pyclass(module = "fluksio", frozen)]
-struct Identity;
-
-#[pymethods]
-impl Identity {
-    fn __call__<'py>(&self, function: Bound<'py, PyAny>) -> Bound<'py, PyAny> {
-        function
-    }
-}
-
-/// Writes to whatever `sys.stderr` is at the time of the record.
-///
-/// A call captures `sys.stderr` into its logs, so a handler holding the
-/// stream it was built with would write past every one of them.
-#[pyclass(module = "fluksio", frozen)]
-pub(crate) struct CurrentStderr;
-
-#[pymethods]
-impl CurrentStderr {
-    fn write(&self, py: Python<'_>, text: Bound<'_, PyAny>) -> PyResult<()> {
-        py.import("sys")?
-            .getattr("stderr")?
-            .call_method1("write", (text,))?;
-        Ok(())
-    }
-
-    fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.import("sys")?.getattr("stderr")?.call_method0("flush")?;
-        Ok(())
-    }
-}
-
-/// The `fluksio` logger: INFO, into the call's logs, not propagated (a node
-/// calling `basicConfig` for its own logging would see each record twice).
-fn make_logger(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    let logging = py.import("logging")?;
-    let logger = logging.call_method1("getLogger", ("fluksio",))?;
-    logger.call_method1("setLevel", (logging.getattr("INFO")?,))?;
-    let handler = logging.call_method1("StreamHandler", (CurrentStderr,))?;
-    logger.call_method1("addHandler", (handler,))?;
-    logger.setattr("propagate", false)?;
-    Ok(logger)
 }

@@ -1,16 +1,23 @@
 //! fluksio-zygote: runs the Python code of Fluksio nodes.
 //!
-//! CPython is embedded in a single-threaded *zygote* process that imports
-//! the heavy modules once (torch, numpy, pandas) and forks one child per
-//! call, in its own session. It speaks the contracts Fluksio already uses:
+//! CPython is embedded (the `fluksio-embed` crate) in a single-threaded
+//! *zygote* process that imports the heavy modules once (torch, numpy,
+//! pandas) and forks one child per call, in a cell of its own. Every call
+//! goes through one pipeline: parsed at the edge ([`protocol`]), placed and
+//! run by a zygote ([`zygote`]), followed to its end, answered for if its
+//! node wrote no reply ([`end`]), contained and reaped ([`containment`],
+//! [`process`]). The modes are front ends over it, each a transport:
 //!
 //! - [`worker`]: the JSON-line worker contract on stdin/stdout, a drop-in
 //!   for `worker_main.py` in the engine's `PythonWorkerPool`;
-//! - [`sweep`]: a local main job, no engine needed: a node once per grid
-//!   point.
+//! - [`slot`]: the same contract for a pool slot, its calls forked by a
+//!   zygote shared with the other slots;
+//! - [`agent`]: the remote worker, protocol 3 to the engine over a
+//!   WebSocket;
+//! - [`sweep`]: `run` and `sweep`, the local main jobs: a node once per
+//!   grid point, no engine needed.
 //!
-//! [`zygote`] is the fork server, [`fluksio`] the module node code imports,
-//! [`protocol`] the wire types, [`process`] how children end.
+//! ARCHITECTURE.md maps every module and the invariants they keep.
 
 pub mod agent;
 pub mod artifacts;

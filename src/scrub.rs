@@ -18,7 +18,7 @@
 //! standby child is forked beside it, or a node's zygote or a lane, and
 //! that child never frees its copy. So what a call brings is [`Held`] while
 //! it is in memory, and every child wipes what is held the moment it is
-//! forked ([`wipe_held_in_child`], from `zygote::fork`).
+//! forked ([`wipe_held_in_child`], the child's fork hook).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 

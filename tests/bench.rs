@@ -290,7 +290,7 @@ const WORKLOAD_ROWS: &[&str] = &[
 /// measured (none failed), and every row computed what the for-loop did.
 /// No timing is asserted.
 fn bench_workloads_runs_every_row_to_the_same_results() {
-    let python = fluksio_zygote::zygote::interpreter::BUILD_PYTHON;
+    let python = fluksio_embed::interpreter::BUILD_PYTHON;
     let sklearn = Command::new(python)
         .args(["-c", "import sklearn"])
         .output()

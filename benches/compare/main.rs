@@ -191,7 +191,7 @@ impl Args {
         let python_given = self.python.is_some();
         let python = self
             .python
-            .unwrap_or_else(|| PathBuf::from(fluksio_zygote::zygote::interpreter::BUILD_PYTHON));
+            .unwrap_or_else(|| PathBuf::from(fluksio_embed::interpreter::BUILD_PYTHON));
         if self.workloads {
             return workloads::run(&workloads::WorkloadOptions {
                 python_given,

@@ -152,11 +152,7 @@ fn relay(lines: &mut LineBuffer, id: &RawValue, call_id: &str, out: &mut dyn Cal
 /// Reads what is left in a pipe whose writer has exited, without waiting
 /// for a grandchild that may still hold it.
 fn drain(fd: RawFd, lines: &mut LineBuffer) {
-    // SAFETY: fcntl flag changes on an fd this process owns.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-    }
+    crate::fds::set_nonblocking(fd);
     while matches!(lines.read_fd(fd), Ok(n) if n > 0) {}
 }
 

@@ -94,7 +94,7 @@ impl Lanes {
                 serve(py, zygote, node, calls, link, (per_lane, timeout))
             })
             .map_err(|e| format!("could not fork a lane: {e}"))?;
-            set_nonblocking(lane.raw_link());
+            crate::fds::set_nonblocking(lane.raw_link());
             lanes.push(Lane {
                 lane,
                 inbox: Vec::new(),
@@ -212,7 +212,7 @@ fn serve(
     link: Claimed,
     (jobs, timeout): (usize, Option<Duration>),
 ) -> i32 {
-    set_nonblocking(link.as_raw_fd());
+    crate::fds::set_nonblocking(link.as_raw_fd());
     let mut calls = Calls::new(zygote, node);
     calls.set_timeout(timeout);
     let mut inbox = Vec::new();
@@ -360,12 +360,4 @@ fn unsafe_borrow<'a>(fd: RawFd) -> BorrowedFd<'a> {
     // SAFETY: every fd passed here is a lane socket owned by a value that
     // outlives the call.
     unsafe { BorrowedFd::borrow_raw(fd) }
-}
-
-fn set_nonblocking(fd: RawFd) {
-    // SAFETY: fcntl flag changes on an fd this process owns.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-    }
 }

@@ -52,7 +52,7 @@ pub fn run(options: &RunOptions) -> ExitCode {
     zygote::node::name_bad_values();
     zygote::channel::accept_numpy();
     zygote::node::set_script(&options.node);
-    zygote::capture::tee_to_stderr();
+    fluksio_embed::capture::tee_to_stderr();
     zygote::run(
         &options.zygote,
         zygote::print_startup_error,

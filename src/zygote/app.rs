@@ -27,13 +27,14 @@ use std::os::unix::net::UnixStream;
 use nix::unistd::Pid;
 use pyo3::prelude::*;
 
-use super::capture::LogBuffer;
-use super::fork::freeze_gc;
 use super::node::NodeKey;
-use super::{Zygote, fork, node};
+use super::{Zygote, node};
 use crate::fds::{self, Claimed};
 use crate::link::{self, Frame, Received, Receiver};
 use crate::process::ExitWatch;
+use fluksio_embed::capture::LogBuffer;
+use fluksio_embed::fork;
+use fluksio_embed::fork::freeze_gc;
 
 /// A node's own zygote, seen from the zygote that forked it.
 pub struct NodeZygote {

@@ -19,10 +19,13 @@ use pyo3::exceptions::{PySystemExit, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use fluksio_embed::capture::{self, LogBuffer};
+use fluksio_embed::generator::{self, Step};
+use fluksio_embed::{finish, fork};
+
 use super::assignment::{Assignment, Function, Task, TrialVerdict};
-use super::capture::{self, LogBuffer};
 use super::reply::{encode_logs, encode_reply, system_exit_code};
-use super::{channel, finish, fork, node, signals};
+use super::{channel, node, signals};
 
 /// Readies a standby child before its call is known: captured output, the
 /// GC, and a rehearsal of the call's own machinery, so that none of it is on
@@ -276,9 +279,8 @@ pub(super) fn invoke<'py>(
     function: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let result = call_with_kwargs(py, function, call.kwargs.as_deref())?;
-    // SAFETY: PyGen_Check only reads the object's type.
-    if unsafe { pyo3::ffi::PyGen_Check(result.as_ptr()) } != 0 {
-        return drain(py, result);
+    if generator::is_generator(&result) {
+        return drain(result);
     }
     Ok(result)
 }
@@ -317,28 +319,11 @@ fn call_with_kwargs<'py>(
 
 /// Runs a generator node, sending each yield the moment it happens; what it
 /// returns is the result.
-fn drain<'py>(py: Python<'py>, generator: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+fn drain(generator: Bound<'_, PyAny>) -> PyResult<Bound<'_, PyAny>> {
     loop {
-        let mut out: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
-        // SAFETY: `generator` is a live generator (PyGen_Check), and
-        // PyIter_Send returns a new reference in `out` for NEXT and RETURN.
-        let sent =
-            unsafe { pyo3::ffi::PyIter_Send(generator.as_ptr(), pyo3::ffi::Py_None(), &mut out) };
-        match sent {
-            pyo3::ffi::PySendResult::PYGEN_NEXT => {
-                // SAFETY: a new reference, owned from here on.
-                let value = unsafe { Bound::from_owned_ptr(py, out) };
-                channel::send_event("yield", &value, "yielded")?;
-            }
-            // SAFETY: as above.
-            pyo3::ffi::PySendResult::PYGEN_RETURN => {
-                return Ok(unsafe { Bound::from_owned_ptr(py, out) });
-            }
-            pyo3::ffi::PySendResult::PYGEN_ERROR => {
-                return Err(PyErr::take(py).unwrap_or_else(|| {
-                    PyTypeError::new_err("the generator failed without an exception")
-                }));
-            }
+        match generator::resume(&generator)? {
+            Step::Yielded(value) => channel::send_event("yield", &value, "yielded")?,
+            Step::Returned(value) => return Ok(value),
         }
     }
 }

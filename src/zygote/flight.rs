@@ -14,13 +14,13 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
-use super::capture::LogBuffer;
 use crate::containment::Cell;
 use crate::fds;
 use crate::lines::{LineBuffer, Piece, TooLarge};
 use crate::output::CallOutput;
 use crate::process::{self, ChildEnd, ExitWatch, Reaped};
 use crate::protocol;
+use fluksio_embed::capture::LogBuffer;
 
 /// A call's child that has been forked and not yet reaped.
 pub struct Flight {
@@ -206,7 +206,7 @@ impl Flight {
         if let Some(fd) = self.pipe.as_ref().map(|p| p.as_raw_fd()) {
             // What is in the pipe now is all the child wrote; a grandchild
             // holding the write end must not keep us waiting for more.
-            set_nonblocking(fd);
+            crate::fds::set_nonblocking(fd);
             while !self.replied {
                 match read_into(fd, &mut self.pending) {
                     Some(n) if n > 0 => self.hand_over_lines(out),
@@ -324,12 +324,4 @@ impl Drop for Flight {
 /// (EAGAIN included).
 fn read_into(fd: RawFd, lines: &mut LineBuffer) -> Option<usize> {
     lines.read_fd(fd).ok()
-}
-
-fn set_nonblocking(fd: RawFd) {
-    // SAFETY: fcntl flag changes on an fd we own.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-    }
 }

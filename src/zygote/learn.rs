@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use super::capture::LogBuffer;
-use super::fork;
+use fluksio_embed::capture::{self, LogBuffer};
+use fluksio_embed::fork;
 
 /// The first line of a run's report that lists what it imported.
 const IMPORTED: &str = "imported\n";
@@ -95,37 +95,9 @@ pub fn report(py: Python<'_>, logs: &LogBuffer) {
     if modules.len() <= before {
         return;
     }
-    let mut names = Vec::new();
-    let mut position: pyo3::ffi::Py_ssize_t = 0;
-    let mut key: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
-    let mut value: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
-    let mut seen = 0;
-    // SAFETY: PyDict_Next over a live dict with the GIL held hands out
-    // borrowed references, never written to: no reference count of the
-    // zygote's objects moves, so their pages stay shared. The dict is not
-    // changed while it is walked.
-    while unsafe { pyo3::ffi::PyDict_Next(modules.as_ptr(), &mut position, &mut key, &mut value) }
-        != 0
-    {
-        seen += 1;
-        if seen <= before {
-            continue;
-        }
-        let mut size: pyo3::ffi::Py_ssize_t = 0;
-        // SAFETY: a borrowed key of the dict; a str's UTF-8 form (an ASCII
-        // name's is its own data) or NULL with an error, cleared below.
-        let utf8 = unsafe { pyo3::ffi::PyUnicode_AsUTF8AndSize(key, &mut size) };
-        if utf8.is_null() {
-            // SAFETY: clears the error a non-str key raised.
-            unsafe { pyo3::ffi::PyErr_Clear() };
-            continue;
-        }
-        // SAFETY: `size` bytes at `utf8`, owned by the key, alive here.
-        let bytes = unsafe { std::slice::from_raw_parts(utf8.cast::<u8>(), size as usize) };
-        if let Ok(name) = std::str::from_utf8(bytes) {
-            names.push(name.to_string());
-        }
-    }
+    // Borrowed keys only: no reference count of the zygote's objects moves,
+    // so their pages stay shared.
+    let names = fluksio_embed::objects::str_keys_after(&modules, before);
     if !names.is_empty() {
         logs.set_report(format!("{IMPORTED}{}", names.join("\n")).as_bytes());
     }
@@ -254,8 +226,8 @@ pub fn try_in_child(
             crate::fds::close_in_child();
             logs.unmap_all_others();
             fork::become_call_child(nix::unistd::getppid());
-            super::capture::drop_writes();
-            let _ = super::capture::redirect_stdio(py);
+            capture::drop_writes();
+            let _ = capture::redirect_stdio(py);
             let imported = run_try(py, &batch, started).unwrap_or_default();
             let code = if fork::forks_safely(py) {
                 FORKS_SAFELY

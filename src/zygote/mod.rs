@@ -19,13 +19,9 @@
 
 pub mod app;
 pub mod assignment;
-pub mod capture;
 pub mod channel;
 pub mod child;
-pub mod finish;
 pub mod flight;
-pub mod fork;
-pub mod interpreter;
 pub mod learn;
 pub mod node;
 pub mod recovery;
@@ -36,6 +32,11 @@ pub mod signals;
 mod standby;
 pub mod threads;
 pub mod warmup;
+
+// CPython's side of the zygote is `fluksio_embed`'s: its start, its forks,
+// its captured output, its end-of-call flush. Named here as the zygote's
+// modules, which is where the runtime uses them.
+use fluksio_embed::{capture, finish, fork, interpreter};
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
@@ -130,7 +131,13 @@ impl From<PyErr> for StartupError {
 /// fork; afterwards use `Python::attach` as usual.
 pub fn boot(options: &ZygoteOptions) -> Result<(), StartupError> {
     crate::fds::claim_inherited();
-    fork::install_census();
+    fork::install(fork::ForkHooks {
+        // The requests of calls in flight in the parent are not a child's
+        // to read.
+        in_child: crate::scrub::wipe_held_in_child,
+        forked: |pid| crate::containment::strays::remember(pid.as_raw()),
+        reaped: |pid| crate::containment::strays::forget(pid.as_raw()),
+    });
     crate::artifacts::take_token();
     // Before the interpreter: the warden is spawned while this process
     // still has one thread.
@@ -140,10 +147,8 @@ pub fn boot(options: &ZygoteOptions) -> Result<(), StartupError> {
         python: options.python.clone(),
     };
     config.check().map_err(StartupError::Interpreter)?;
+    signals::before_interpreter();
     config.initialize().map_err(StartupError::Interpreter)?;
-    // SAFETY: the interpreter was just initialised on this thread, which
-    // holds the GIL; releasing it lets pyo3's attach take it the usual way.
-    unsafe { pyo3::ffi::PyEval_SaveThread() };
     Ok(())
 }
 
@@ -247,7 +252,7 @@ impl Zygote {
     pub fn new(py: Python<'_>, options: &ZygoteOptions) -> Result<Zygote, StartupError> {
         // First: before anything imports `signal`.
         signals::settle_zygote(py)?;
-        crate::fluksio::install(py)?;
+        fluksio_embed::module::install(py, &crate::fluksio::Runtime)?;
         capture::register_as_text_stream(py)?;
         // What every call needs, imported here so no call pays for it.
         for module in ["json", "traceback", "types", "gc", "logging"] {

@@ -111,7 +111,7 @@ pub fn load_in_zygote<'py>(
             argv.push((name, args.unbind(), orig.unbind()));
         }
     }
-    super::finish::settle_zygote(py);
+    fluksio_embed::finish::settle_zygote(py);
     loaded
 }
 

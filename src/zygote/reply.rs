@@ -8,9 +8,9 @@ use pyo3::types::{PyDict, PyList, PyString};
 use serde_json::value::RawValue;
 
 use super::assignment::Assignment;
-use super::capture;
 use super::channel;
 use super::node;
+use fluksio_embed::capture;
 
 /// `Type: message (line N)` of a node's exception, as a reply's `short`.
 pub(super) fn short_description(py: Python<'_>, error: &PyErr) -> String {

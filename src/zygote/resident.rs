@@ -16,13 +16,13 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use pyo3::prelude::*;
 
 use super::assignment::{self, Assignment, Function};
-use super::capture::LogBuffer;
 use super::child;
 use super::flight::Flight;
 use super::node::NodeKey;
 use super::{Stop, Zygote};
 use crate::fds::Claimed;
 use crate::output::CallOutput;
+use fluksio_embed::capture::LogBuffer;
 
 /// How a call's child relates to the calls after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -185,14 +185,14 @@ pub(super) fn serve_in_turn(
         unflushed.calls += 1;
         unflushed.since.get_or_insert_with(std::time::Instant::now);
         if unflushed.due() || !next_call_within(control.as_raw_fd(), FLUSH_WHEN_IDLE_FOR) {
-            super::finish::between_calls(py);
+            fluksio_embed::finish::between_calls(py);
             unflushed = Unflushed::default();
         }
         call = match assignment::next_assignment(control.as_raw_fd()) {
             Some(call) => call,
             // Retired: what `python3` writes out at exit, then gone.
             None => {
-                super::finish::at_end(py, super::finish::Ending::Exit);
+                fluksio_embed::finish::at_end(py, fluksio_embed::finish::Ending::Exit);
                 crate::process::exit_now(0)
             }
         };
@@ -237,7 +237,7 @@ fn next_call_within(control: RawFd, wait: std::time::Duration) -> bool {
 /// Sends the reply for `outcome`; a `SystemExit` leaves as the interpreter
 /// would, with no reply.
 fn answer(py: Python<'_>, call: &Assignment, outcome: PyResult<Option<Bound<'_, PyAny>>>) {
-    use super::finish::{Ending, at_end};
+    use fluksio_embed::finish::{Ending, at_end};
     if let Err(error) = &outcome
         && error.is_instance_of::<pyo3::exceptions::PySystemExit>(py)
     {

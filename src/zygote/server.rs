@@ -118,7 +118,7 @@ fn serve_links(
             return ExitCode::SUCCESS;
         }
         if let Some(listener) = &server.listener {
-            set_nonblocking(listener.as_raw_fd());
+            crate::fds::set_nonblocking(listener.as_raw_fd());
         }
         ready(None);
         let code = server.serve(py, &mut zygote);
@@ -264,7 +264,7 @@ impl Server {
 
     /// Takes a new link: says `Ready` on it. False if it is gone already.
     fn open(&mut self, socket: Claimed) -> bool {
-        set_nonblocking(socket.as_raw_fd());
+        crate::fds::set_nonblocking(socket.as_raw_fd());
         if link::send(socket.as_fd(), &Frame::Ready).is_err() {
             return false;
         }
@@ -704,7 +704,7 @@ impl Server {
         let pending = self.pending_held();
         let node_zygote = spawn_node_zygote(py, zygote, key, self.contract, None)?;
         drop(pending);
-        set_nonblocking(node_zygote.raw_link());
+        crate::fds::set_nonblocking(node_zygote.raw_link());
         let pid = node_zygote.pid;
         tracing::debug!(node = %key, pid = pid.as_raw(), "forked the node's own zygote");
         self.node_zygotes.push(Relay {
@@ -766,7 +766,7 @@ impl Server {
         let last_used = parent.last_used;
         let pid = Pid::from_raw(pid);
         let link = Claimed::new(link);
-        set_nonblocking(link.as_raw_fd());
+        crate::fds::set_nonblocking(link.as_raw_fd());
         tracing::debug!(node = %key, pid = pid.as_raw(), "the node has a new lane");
         self.node_zygotes.push(Relay {
             node_zygote: NodeZygote {
@@ -1221,12 +1221,4 @@ struct Discard;
 impl CallOutput for Discard {
     fn event(&mut self, _line: &[u8]) {}
     fn reply(&mut self, _line: &[u8]) {}
-}
-
-fn set_nonblocking(fd: RawFd) {
-    // SAFETY: fcntl flag changes on an fd this process owns.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-    }
 }

@@ -126,7 +126,7 @@ fn ignored_at_start(signal: libc::c_int) -> bool {
 /// installed (faulthandler under `PYTHONFAULTHANDLER`) from the runtime's.
 static BEFORE_INIT: Mutex<Option<Kernel>> = Mutex::new(None);
 
-/// Call just before `Py_InitializeFromConfig`.
+/// Call just before the interpreter starts (`InterpreterConfig::initialize`).
 pub fn before_interpreter() {
     *BEFORE_INIT.lock().unwrap_or_else(|e| e.into_inner()) = Some(kernel_now());
 }

@@ -25,17 +25,18 @@ use pyo3::prelude::*;
 use serde_json::value::RawValue;
 
 use super::assignment::{self, Assignment, Task};
-use super::capture::LogBuffer;
 use super::child;
 use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
-use super::fork::freeze_gc;
-use super::{SpawnError, Zygote, fork};
+use super::{SpawnError, Zygote};
 use crate::containment::Cell;
 use crate::end::End;
 use crate::fds;
 use crate::fds::Claimed;
 use crate::process::{self, ExitWatch};
 use crate::protocol::{self, Request};
+use fluksio_embed::capture::LogBuffer;
+use fluksio_embed::fork;
+use fluksio_embed::fork::freeze_gc;
 
 /// A forked child waiting for its call.
 struct Standby {
@@ -284,7 +285,8 @@ impl Zygote {
             return;
         };
         let imported =
-            super::capture::quietly(py, || Ok(super::learn::import_here(py, &names))).unwrap_or(0);
+            fluksio_embed::capture::quietly(py, || Ok(super::learn::import_here(py, &names)))
+                .unwrap_or(0);
         if imported > 0 {
             tracing::debug!(
                 "learned {imported} modules the calls imported: {}",

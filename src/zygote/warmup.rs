@@ -26,7 +26,9 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::{channel, fork};
+use fluksio_embed::fork;
+
+use super::channel;
 
 /// The module-level name a node asks for a warm-up with.
 pub const ATTRIBUTE: &str = "__fluksio_warmup__";
@@ -91,8 +93,7 @@ pub fn run(
     let called = channel::muted(|| {
         super::threads::single_threaded(|| -> PyResult<()> {
             let result = function.call((), Some(kwargs))?;
-            // SAFETY: PyGen_Check only reads the object's type.
-            if unsafe { pyo3::ffi::PyGen_Check(result.as_ptr()) } != 0 {
+            if fluksio_embed::generator::is_generator(&result) {
                 for item in result.try_iter()? {
                     item?;
                 }

@@ -7,7 +7,7 @@
 //!    read from `/proc` before the fork: numpy's OpenBLAS keeps a pool that
 //!    it stops itself in a `pthread_atfork` prepare handler. The count that
 //!    matters is the one *after* every prepare handler ran, and that is what
-//!    [`census`] reads: registered before any library is loaded, it runs last
+//!    `census` reads: registered before any library is loaded, it runs last
 //!    (prepare handlers run in reverse order of registration).
 //! 2. CPython has its own before/after-fork work (the import lock, its
 //!    runtime locks, `os.register_at_fork` hooks such as logging's handler
@@ -15,7 +15,14 @@
 //! 3. A call's child must not outlive its zygote, nor leave its own children
 //!    behind when it goes: [`become_call_child`] gives it a session and a
 //!    death signal whose handler kills that whole session.
+//! 4. What the runtime does at each fork (wiping what belongs to other
+//!    calls in the child, keeping its books of children in the parent) must
+//!    happen at exact points inside the bracketing: the child's part before
+//!    `PyOS_AfterFork_Child` runs any Python (`os.register_at_fork` hooks).
+//!    The runtime hands those parts over once, as [`ForkHooks`], with
+//!    [`install`].
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -36,9 +43,43 @@ static TOLERATED_AT_FORK: AtomicUsize = AtomicUsize::new(1);
 /// nothing and leaves at once, and the zygote recovers.
 pub const UNSAFE_FORK_EXIT: i32 = 117;
 
-/// Registers [`census`]. Call before the interpreter starts, so every
-/// library loaded later registers its handlers after it, and they run first.
-pub fn install_census() {
+/// The runtime's part of every fork [`fork`] makes.
+#[derive(Debug, Clone, Copy)]
+pub struct ForkHooks {
+    /// In the child, once it is known to be safe and before CPython's
+    /// after-fork work runs any Python: what the parent held that this
+    /// child must not read goes. Only what is safe between `fork` and
+    /// `PyOS_AfterFork_Child` (no Python, no lock another thread held).
+    pub in_child: fn(),
+    /// In the parent, for each child forked.
+    pub forked: fn(Pid),
+    /// In the parent, for each child [`forks_safely`] forked and reaped
+    /// itself.
+    pub reaped: fn(Pid),
+}
+
+impl ForkHooks {
+    /// Nothing to do: what a fork does before [`install`].
+    pub const NONE: ForkHooks = ForkHooks {
+        in_child: || {},
+        forked: |_| {},
+        reaped: |_| {},
+    };
+}
+
+static HOOKS: OnceLock<ForkHooks> = OnceLock::new();
+
+fn hooks() -> &'static ForkHooks {
+    HOOKS.get().unwrap_or(&ForkHooks::NONE)
+}
+
+/// Registers `census` and the runtime's `hooks`. Call once, before the
+/// interpreter starts, so every library loaded later registers its handlers
+/// after the census, and they run first. A second call changes nothing.
+pub fn install(hooks: ForkHooks) {
+    if HOOKS.set(hooks).is_err() {
+        return;
+    }
     // SAFETY: registering a plain extern "C" function with no state.
     unsafe { libc::pthread_atfork(Some(census), None, None) };
 }
@@ -113,9 +154,9 @@ pub fn fork(_py: Python<'_>) -> std::io::Result<Forked> {
                 // Another thread may hold any lock; touch nothing.
                 libc::_exit(UNSAFE_FORK_EXIT);
             }
-            // The requests of calls in flight in the parent are not this
-            // child's to read.
-            crate::scrub::wipe_held_in_child();
+            // What the parent held for other calls (the requests in
+            // flight, say) is not this child's to read.
+            (hooks().in_child)();
             ffi::PyOS_AfterFork_Child();
             return Ok(Forked::Child);
         }
@@ -124,13 +165,11 @@ pub fn fork(_py: Python<'_>) -> std::io::Result<Forked> {
         if pid < 0 {
             return Err(error);
         }
-        crate::containment::strays::remember(pid);
+        let pid = Pid::from_raw(pid);
+        (hooks().forked)(pid);
         let safe =
             THREADS_AT_FORK.load(Ordering::SeqCst) <= TOLERATED_AT_FORK.load(Ordering::SeqCst);
-        Ok(Forked::Parent {
-            pid: Pid::from_raw(pid),
-            safe,
-        })
+        Ok(Forked::Parent { pid, safe })
     }
 }
 
@@ -144,10 +183,26 @@ pub fn forks_safely(py: Python<'_>) -> bool {
         // SAFETY: leave at once; the child exists only to be counted.
         Ok(Forked::Child) => unsafe { libc::_exit(0) },
         Ok(Forked::Parent { pid, safe }) => {
-            let _ = crate::process::reap(pid);
+            reap(pid);
             safe
         }
         Err(_) => false,
+    }
+}
+
+/// Waits for `pid`, which has nothing to report, and tells the runtime.
+fn reap(pid: Pid) {
+    let mut status: libc::c_int = 0;
+    loop {
+        // SAFETY: a pointer to a live local; waitpid writes only through it.
+        let done = unsafe { libc::waitpid(pid.as_raw(), &mut status, 0) };
+        if done == pid.as_raw() {
+            (hooks().reaped)(pid);
+            return;
+        }
+        if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return;
+        }
     }
 }
 

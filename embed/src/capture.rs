@@ -50,6 +50,8 @@ pub struct LogBuffer {
 // processes only ever see their own copy-free view of it, and within one
 // process every write happens under the GIL.
 unsafe impl Send for LogBuffer {}
+// SAFETY: as for Send: shared access only reads the mapping, or writes it
+// under the GIL.
 unsafe impl Sync for LogBuffer {}
 
 impl LogBuffer {
@@ -268,7 +270,7 @@ pub fn drop_writes() {
 /// any child is forked; children inherit it.
 static TEE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Turns on the copy of every captured write to fd 2 (see [`TEE`]).
+/// Turns on the copy of every captured write to fd 2 (see `TEE`).
 pub fn tee_to_stderr() {
     TEE.store(true, Ordering::Relaxed);
 }
@@ -321,7 +323,7 @@ impl LogCapture {
             }
             let kept = chars.min(room);
             let part = if kept < chars {
-                substring(text, kept)?
+                crate::objects::str_prefix(text, kept)?
             } else {
                 text.clone()
             };
@@ -408,16 +410,6 @@ impl LogCapture {
     }
 }
 
-/// The first `chars` characters of `text`.
-fn substring<'py>(text: &Bound<'py, PyString>, chars: usize) -> PyResult<Bound<'py, PyString>> {
-    // SAFETY: PyUnicode_Substring returns a new reference or NULL with an
-    // exception set, which from_owned_ptr_or_err turns into the error.
-    unsafe {
-        let ptr = pyo3::ffi::PyUnicode_Substring(text.as_ptr(), 0, chars as pyo3::ffi::Py_ssize_t);
-        Ok(Bound::from_owned_ptr_or_err(text.py(), ptr)?.cast_into_unchecked())
-    }
-}
-
 /// Bytes the capture stored, back into the `str` that was written.
 pub fn decode<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     match std::str::from_utf8(bytes) {
@@ -454,4 +446,31 @@ pub fn quietly<'py, R>(py: Python<'py>, f: impl FnOnce() -> PyResult<R>) -> PyRe
     sys.setattr("stdout", stdout)?;
     sys.setattr("stderr", stderr)?;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_is_read_once_then_gone() {
+        let buffer = LogBuffer::new().unwrap();
+        buffer.set_report(b"imported\nnumpy");
+        assert_eq!(buffer.take_report(), b"imported\nnumpy");
+        assert!(buffer.take_report().is_empty());
+    }
+
+    #[test]
+    fn logs_are_capped_in_characters_and_cleared_to_zeros() {
+        let buffer = LogBuffer::new().unwrap();
+        let text = "é".repeat(MAX_LOG_CHARS);
+        buffer.append(text.as_bytes(), MAX_LOG_CHARS);
+        assert_eq!(buffer.room(), 0);
+        assert_eq!(buffer.text_lossy(), text);
+        buffer.clear();
+        assert!(buffer.bytes().is_empty());
+        // SAFETY: the data area is inside the mapping, which `buffer` owns.
+        let data = unsafe { std::slice::from_raw_parts(buffer.data(), text.len()) };
+        assert!(data.iter().all(|&b| b == 0));
+    }
 }

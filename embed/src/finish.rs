@@ -23,7 +23,9 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyList, PyType};
+
+use crate::objects::type_derives_from;
 
 /// How long the flush may take before what is left is abandoned.
 pub const BUDGET: Duration = Duration::from_secs(1);
@@ -104,7 +106,8 @@ fn disarm(py: Python<'_>, deadline: Deadline) {
     // SAFETY: the timer made by `arm`, deleted once.
     unsafe { libc::timer_delete(deadline.timer) };
     // A tick that landed just now runs our handler here, not a later one.
-    // SAFETY: called with the GIL held (the `py` token).
+    // SAFETY: called with the GIL held (the `py` token), on the thread the
+    // timer signals.
     if unsafe { pyo3::ffi::PyErr_CheckSignals() } != 0 {
         let _ = PyErr::take(py);
     }
@@ -117,19 +120,12 @@ fn disarm(py: Python<'_>, deadline: Deadline) {
 
 /// `_io._TextIOBase` and `_io._BufferedIOBase`: every text and buffered
 /// file, C or Python.
-fn io_bases(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Bound<'_, PyAny>)> {
+fn io_bases(py: Python<'_>) -> PyResult<(Bound<'_, PyType>, Bound<'_, PyType>)> {
     let io = py.import("_io")?;
-    Ok((io.getattr("_TextIOBase")?, io.getattr("_BufferedIOBase")?))
-}
-
-fn is_instance(object: &Bound<'_, PyAny>, base: &Bound<'_, PyAny>) -> bool {
-    // SAFETY: both are live objects; `base` is a type object.
-    unsafe {
-        pyo3::ffi::PyType_IsSubtype(
-            pyo3::ffi::Py_TYPE(object.as_ptr()),
-            base.as_ptr().cast::<pyo3::ffi::PyTypeObject>(),
-        ) != 0
-    }
+    Ok((
+        io.getattr("_TextIOBase")?.cast_into::<PyType>()?,
+        io.getattr("_BufferedIOBase")?.cast_into::<PyType>()?,
+    ))
 }
 
 /// The files among the objects the collector tracks outside the permanent
@@ -178,9 +174,9 @@ fn young_files<'py>(
     let mut texts = Vec::new();
     let mut buffers = Vec::new();
     for object in objects.iter() {
-        let kind = if is_instance(&object, &text) {
+        let kind = if type_derives_from(&object, &text) {
             &mut texts
-        } else if is_instance(&object, &buffered) {
+        } else if type_derives_from(&object, &buffered) {
             &mut buffers
         } else {
             continue;
@@ -359,7 +355,7 @@ fn has_handlers(logging: &Bound<'_, PyAny>) -> bool {
                     || handler.is(&last_resort)
                     || handler
                         .getattr("stream")
-                        .is_ok_and(|s| s.is_instance_of::<crate::fluksio::CurrentStderr>()) => {}
+                        .is_ok_and(|s| s.is_instance_of::<crate::module::CurrentStderr>()) => {}
             _ => return true,
         }
     }

@@ -230,10 +230,14 @@ impl InterpreterConfig {
         Ok(())
     }
 
-    /// Initialises CPython on this thread, which keeps the GIL afterwards.
+    /// Initialises CPython on this thread, then releases the GIL: use
+    /// `Python::attach` afterwards, as usual.
     ///
     /// Must run once, before any other Python call, on the thread that will
-    /// fork (signal handling and `PyOS_AfterFork_Child` assume it).
+    /// fork (signal handling and `PyOS_AfterFork_Child` assume it). The
+    /// interpreter installs no signal handler of its own: whoever needs to
+    /// tell the kernel's actions before it from those after reads them just
+    /// before this call.
     pub fn initialize(&self) -> Result<(), StartError> {
         let python = PROBED.get().unwrap_or(&self.python);
         let executable = CString::new(python.as_os_str().as_bytes())
@@ -245,8 +249,8 @@ impl InterpreterConfig {
             let mut config = std::mem::MaybeUninit::<ffi::PyConfig>::zeroed();
             ffi::PyConfig_InitPythonConfig(config.as_mut_ptr());
             let config = config.assume_init_mut();
-            // Signals are set by `signals`: the zygote's are the runtime's,
-            // a call's child's a fresh python3's.
+            // Signals are the runtime's to set: the zygote's are its own, a
+            // call's child's a fresh python3's.
             config.install_signal_handlers = 0;
             config.parse_argv = 0;
             // Never put the current directory on sys.path, as `python script`
@@ -258,13 +262,17 @@ impl InterpreterConfig {
                 ffi::PyConfig_Clear(config);
                 return Err(StartError::Init(status_message(status)));
             }
-            super::signals::before_interpreter();
             let status = ffi::Py_InitializeFromConfig(config);
             ffi::PyConfig_Clear(config);
             if ffi::PyStatus_Exception(status) != 0 {
                 return Err(StartError::Init(status_message(status)));
             }
         }
+        // SAFETY: the interpreter was just initialised on this thread, which
+        // holds the GIL; releasing it lets pyo3's attach take it the usual
+        // way. The thread state it returns is the main one, which CPython
+        // keeps and `Python::attach` finds again on this thread.
+        unsafe { ffi::PyEval_SaveThread() };
         Ok(())
     }
 }
