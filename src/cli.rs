@@ -684,7 +684,7 @@ fn fetch(digest: &str) -> ExitCode {
     crate::artifacts::take_token();
     let loaded = crate::artifacts::Digest::parse(digest)
         .map_err(crate::artifacts::ArtifactError::BadDigest)
-        .and_then(|digest| crate::artifacts::Store::from_env().load(&digest));
+        .and_then(|digest| crate::artifacts::store::Store::from_env().load(&digest));
     match loaded {
         Ok(path) => {
             println!("{}", path.display());

@@ -21,7 +21,8 @@ use pyo3::exceptions::{
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::artifacts::{self, ArtifactError, Digest, Store};
+use crate::artifacts::store::Store;
+use crate::artifacts::{self, ArtifactError, Digest};
 use crate::zygote::channel;
 
 /// The host `fluksio`'s functions are served by in every runtime process.

@@ -29,6 +29,7 @@ pub mod fluksio;
 pub mod lines;
 pub mod link;
 pub mod metrics;
+pub mod nesting;
 pub mod output;
 pub mod process;
 pub mod protocol;

@@ -6,7 +6,7 @@
 
 use serde_json::value::RawValue;
 
-use crate::protocol::{MAX_NESTING, nested_deeper_than};
+use crate::nesting::{MAX_NESTING, nested_deeper_than};
 
 /// `str(value or "")` of the value `json.loads` reads from `raw`, as the
 /// references take a `call_id`: `""` for a falsy value (or none), a

@@ -17,7 +17,8 @@ use tokio::sync::oneshot;
 
 use super::outbox::Outbox;
 use super::state::Agent;
-use crate::artifacts::{Digest, Store};
+use crate::artifacts::Digest;
+use crate::artifacts::store::Store;
 use crate::python_str::{python_str, python_str_or_empty};
 
 /// How long a stopped service gets to shut down before its group is killed.

@@ -227,7 +227,7 @@ enum Incoming {
     },
     Cancel(String),
     /// Answered here with this reply line, nothing run: a call nested
-    /// deeper than [`protocol::MAX_NESTING`].
+    /// deeper than [`crate::nesting::MAX_NESTING`].
     Refused {
         call_id: String,
         reply: Vec<u8>,
@@ -241,12 +241,12 @@ enum Incoming {
 
 /// Reads one frame. Never runs anything, so the fuzz tests drive it alone.
 ///
-/// A frame nested deeper than [`protocol::MAX_NESTING`] is refused before
+/// A frame nested deeper than [`crate::nesting::MAX_NESTING`] is refused before
 /// anything of it is used: a `run`, `compile` or `serve` with a `call_id`
 /// gets a `ProtocolError` reply (`id` null, the `id` may be the deep part)
 /// so the engine's call ends; any other is ignored like an unreadable one.
 fn decode(text: &str) -> Incoming {
-    let too_deep = protocol::nested_deeper_than(text.as_bytes(), protocol::MAX_NESTING);
+    let too_deep = crate::nesting::nested_deeper_than(text.as_bytes(), crate::nesting::MAX_NESTING);
     // serde_json reads raw values without recursing, so even a frame too
     // deep parses here without blowing the stack; only its top level is kept.
     let Ok(message) = serde_json::from_str::<BTreeMap<String, Box<RawValue>>>(text) else {
@@ -331,7 +331,7 @@ mod fuzz {
 
     fn check(text: &str) -> Incoming {
         let incoming = decode(text);
-        let deep = protocol::nested_deeper_than(text.as_bytes(), protocol::MAX_NESTING);
+        let deep = crate::nesting::nested_deeper_than(text.as_bytes(), crate::nesting::MAX_NESTING);
         match &incoming {
             Incoming::Call { .. } | Incoming::Serve { .. } | Incoming::Cancel(_) => {
                 assert!(!deep, "a frame too deep was served");
@@ -405,7 +405,7 @@ mod fuzz {
             let deep = format!("{}1{}", "[".repeat(levels), "]".repeat(levels));
             let text = format!(r#"{{"op":"{op}","call_id":"c1","{field}":{deep}}}"#);
             let incoming = check(&text);
-            let too_deep = levels + 1 > protocol::MAX_NESTING;
+            let too_deep = levels + 1 > crate::nesting::MAX_NESTING;
             match incoming {
                 Incoming::Refused { .. } => {
                     prop_assert!(too_deep && op != "cancel" && op != "other" && field != "call_id");
