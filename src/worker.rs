@@ -47,7 +47,7 @@ pub fn run(options: &WorkerOptions) -> ExitCode {
     };
     fds::claim(request_fd);
     fds::claim(reply_fd);
-    zygote::run(
+    zygote::heavy::run(
         &options.zygote,
         zygote::print_startup_error,
         |py, zygote| {

@@ -27,8 +27,7 @@ use std::os::unix::net::UnixStream;
 use nix::unistd::Pid;
 use pyo3::prelude::*;
 
-use super::node::NodeKey;
-use super::{Zygote, node};
+use super::node::{self, NodeKey};
 use crate::fds::{self, Claimed};
 use crate::link::{self, Frame, Received, Receiver};
 use crate::process::ExitWatch;
@@ -66,15 +65,27 @@ pub fn default_lanes(cores: usize) -> usize {
     (cores / CORES_PER_LANE).max(1)
 }
 
+/// What forking a node's own zygote asks of the zygote it is forked from.
+pub trait Parent {
+    /// In the child: forgets the children, residents and node zygotes it
+    /// copied, which are its parent's, and makes no node zygotes itself.
+    fn forget_inherited(&mut self);
+    /// Forking was unsafe: the zygote must restart before it serves
+    /// anything else.
+    fn must_recover(&mut self);
+    /// In the child, once served: ends every child still around.
+    fn shutdown(&mut self);
+}
+
 /// Forks a zygote of its own, connected by a socket pair: in the child,
 /// once it has shed what was its parent's, `serve` runs with its end
 /// (claimed: no call it forks holds it), and its result is the exit code.
 /// Returns in the parent only.
-pub fn fork_own(
+pub fn fork_own<Z: Parent>(
     py: Python<'_>,
-    zygote: &mut Zygote,
+    zygote: &mut Z,
     key: &NodeKey,
-    serve: impl FnOnce(Python<'_>, &mut Zygote, Claimed) -> i32,
+    serve: impl FnOnce(Python<'_>, &mut Z, Claimed) -> i32,
 ) -> std::io::Result<NodeZygote> {
     let (ours, theirs) = UnixStream::pair()?;
     let ours = Claimed::new(OwnedFd::from(ours));
@@ -95,7 +106,7 @@ pub fn fork_own(
             if !safe {
                 // It exits at once, having run nothing.
                 let _ = crate::process::reap(pid);
-                zygote.needs_recovery = true;
+                zygote.must_recover();
                 return Err(std::io::Error::other(
                     "a thread that does not stop at fork is running in the zygote",
                 ));
@@ -114,7 +125,7 @@ pub fn fork_own(
 /// In the child: sheds everything that was its parent's (the links, the
 /// standby children, the cells and log buffers of other calls), dies with
 /// its parent, and returns its end of the link.
-fn become_node_zygote(zygote: &mut Zygote, parent: Pid, link: Claimed) -> OwnedFd {
+fn become_node_zygote(zygote: &mut impl Parent, parent: Pid, link: Claimed) -> OwnedFd {
     // Everything the parent claimed is closed here, this link's end with
     // it: taken out first, and claimed again as this process's own.
     let link = link.release();
@@ -128,7 +139,7 @@ fn become_node_zygote(zygote: &mut Zygote, parent: Pid, link: Claimed) -> OwnedF
             libc::_exit(1);
         }
     }
-    zygote.forget_inherited_children();
+    zygote.forget_inherited();
     LogBuffer::unmap_inherited();
     crate::containment::strays::forget_all();
     crate::containment::become_node_zygote();

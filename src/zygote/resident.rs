@@ -11,6 +11,7 @@
 //! call (its cell, its session): what one of its calls leaves running lives
 //! until the resident is retired.
 
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use pyo3::prelude::*;
@@ -19,9 +20,7 @@ use super::assignment::{self, Assignment, Function};
 use super::child;
 use super::flight::Flight;
 use super::node::NodeKey;
-use super::{Stop, Zygote};
 use crate::fds::Claimed;
-use crate::output::CallOutput;
 use fluksio_embed::capture::LogBuffer;
 
 /// How a call's child relates to the calls after it.
@@ -43,99 +42,105 @@ pub(super) struct Resident {
     calls: u64,
 }
 
-impl Zygote {
-    /// Serves a run in the node's resident child, forking one if there is
-    /// none (or its source changed).
-    pub(super) fn run_in_turn(
+impl Resident {
+    /// A resident just forked for a call of source `digest`, which it was
+    /// handed with its control pipe.
+    pub(super) fn new(flight: Flight, control: Claimed, digest: &str) -> Resident {
+        Resident {
+            flight,
+            control,
+            digest: digest.to_string(),
+            calls: 0,
+        }
+    }
+
+    /// Hands it its next call. A child that died since its last reply is
+    /// found out by following it: its flight says how it ended.
+    pub(super) fn hand(&mut self, assignment: &Assignment) {
+        let _ = assignment::send_assignment(&self.control, assignment);
+        self.flight.rearm();
+    }
+
+    pub(super) fn flight(&mut self) -> &mut Flight {
+        &mut self.flight
+    }
+
+    /// Its flight, its control pipe closed: it serves no call after this.
+    pub(super) fn into_flight(self) -> Flight {
+        drop(self.control);
+        self.flight
+    }
+}
+
+/// `--isolation node`: each node's resident child, between its calls.
+pub(super) struct Residents {
+    residents: HashMap<NodeKey, Resident>,
+    /// Calls one serves before a fresh fork replaces it.
+    max_calls: Option<u64>,
+}
+
+impl Residents {
+    pub(super) fn new(max_calls: Option<u64>) -> Residents {
+        Residents {
+            residents: HashMap::new(),
+            max_calls,
+        }
+    }
+
+    /// Node `key`'s resident for a call of source `digest`, taken out
+    /// until its call is served; one of another source is retired (its
+    /// flight to `land`).
+    pub(super) fn take(
         &mut self,
-        py: Python<'_>,
-        assignment: &Assignment,
-        logs_so_far: Option<LogBuffer>,
-        out: &mut dyn CallOutput,
-    ) -> Result<(), Stop> {
-        let _held = assignment.held();
-        let key = assignment.key.clone();
+        key: &NodeKey,
+        digest: &str,
+        land: impl FnMut(Flight),
+    ) -> Option<Resident> {
         if self
             .residents
-            .get(&key)
-            .is_some_and(|resident| resident.digest != assignment.digest)
+            .get(key)
+            .is_some_and(|resident| resident.digest != digest)
         {
-            self.retire(&key);
+            self.retire(key, land);
         }
-        let mut resident = match self.residents.remove(&key) {
-            Some(mut resident) => {
-                if let Some(logs) = logs_so_far {
-                    self.recycle(logs);
-                }
-                // A child that died since its last reply is found out by
-                // following it: its flight says how it ended.
-                let _ = assignment::send_assignment(&resident.control, assignment);
-                resident.flight.rearm();
-                out.started(resident.flight.pid);
-                resident
-            }
-            None => {
-                let (flight, control) = match self.dispatch_resident(py, assignment, logs_so_far) {
-                    Ok(started) => started,
-                    Err(super::SpawnError::Io(error)) => {
-                        let message = format!("could not start the node's process: {error}");
-                        out.reply(&assignment.lost(message));
-                        return Err(Stop::Answered);
-                    }
-                    Err(_) => return Err(Stop::Recover),
-                };
-                out.started(flight.pid);
-                self.replenish(py);
-                Resident {
-                    flight,
-                    control,
-                    digest: assignment.digest.clone(),
-                    calls: 0,
-                }
-            }
-        };
-        match resident.flight.follow_to_reply(out) {
-            Ok(true) => {
-                resident.calls += 1;
-                let spent = self
-                    .max_calls_per_child
-                    .is_some_and(|max| resident.calls >= max);
-                self.residents.insert(key.clone(), resident);
-                if spent {
-                    self.retire(&key);
-                }
-                Ok(())
-            }
-            Ok(false) => {
-                drop(resident.control);
-                self.finish(assignment, resident.flight, out)
-                    .map(|landed| self.recycle(landed.logs))
-            }
-            Err(error) => {
-                drop(resident.control);
-                self.children.land_later(resident.flight);
-                Err(self.lost(assignment, error, out))
-            }
+        self.residents.remove(key)
+    }
+
+    /// Puts back a resident that has replied to one more call; retired
+    /// (its flight to `land`) once it has served its last.
+    pub(super) fn keep(&mut self, key: &NodeKey, mut resident: Resident, land: impl FnMut(Flight)) {
+        resident.calls += 1;
+        let spent = self.max_calls.is_some_and(|max| resident.calls >= max);
+        self.residents.insert(key.clone(), resident);
+        if spent {
+            self.retire(key, land);
         }
     }
 
     /// Ends a node's resident child, if it has one: its pipe closed, so it
     /// writes out what it holds and exits (within the flush's deadline),
-    /// then its cell killed, and it reaped later.
-    pub(super) fn retire(&mut self, key: &NodeKey) {
+    /// then its flight to `land` (its cell killed, and it reaped later).
+    pub(super) fn retire(&mut self, key: &NodeKey, mut land: impl FnMut(Flight)) {
         if let Some(resident) = self.residents.remove(key) {
             drop(resident.control);
             resident.flight.wait_exit(RETIRE_WITHIN);
-            self.children.land_later(resident.flight);
+            land(resident.flight);
         }
     }
 
     /// Ends every resident child.
-    pub(super) fn retire_all(&mut self) {
+    pub(super) fn retire_all(&mut self, mut land: impl FnMut(Flight)) {
         let keys: Vec<NodeKey> = self.residents.keys().cloned().collect();
         for key in keys {
-            self.retire(&key);
+            self.retire(&key, &mut land);
         }
+    }
+
+    /// In a node's own zygote, just forked: the residents it copied are its
+    /// parent's. Forgotten, never dropped (dropping one would kill its
+    /// parent's child).
+    pub(super) fn forget_inherited(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.residents));
     }
 }
 

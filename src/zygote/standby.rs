@@ -26,8 +26,8 @@ use serde_json::value::RawValue;
 
 use super::assignment::{self, Assignment, Task};
 use super::child;
+use super::compiled::Nodes;
 use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
-use super::{SpawnError, Zygote};
 use crate::containment::Cell;
 use crate::end::End;
 use crate::fds;
@@ -55,7 +55,6 @@ struct Standby {
 }
 
 /// The zygote's children outside of a call being followed.
-#[derive(Default)]
 pub(super) struct Children {
     /// Ready children, oldest (most likely set up) first.
     standby: VecDeque<Standby>,
@@ -65,7 +64,30 @@ pub(super) struct Children {
     /// Log buffers of reaped calls, for the next ones.
     spare_logs: Vec<LogBuffer>,
     /// What the calls taken back imported (`super::learn`).
-    pub(super) learned: super::learn::Learned,
+    learned: super::learn::Learned,
+    /// What the last fork of a standby took, in the zygote.
+    fork_cost: Duration,
+}
+
+impl Default for Children {
+    fn default() -> Children {
+        Children {
+            standby: VecDeque::new(),
+            landing: Vec::new(),
+            spare_logs: Vec::new(),
+            learned: Default::default(),
+            fork_cost: Duration::from_millis(1),
+        }
+    }
+}
+
+/// Why a call could not be started.
+pub enum SpawnError {
+    /// A stray thread was running at the fork; nothing ran. Recover.
+    Unsafe,
+    Io(std::io::Error),
+    /// `start_run` of a node no `compile` loaded.
+    NotCompiled,
 }
 
 /// Replied children the zygote lets exit in their own time before it waits
@@ -184,50 +206,41 @@ impl Children {
     }
 }
 
-impl Zygote {
+/// The zygote as a standby is forked from it.
+pub(super) struct Origin<'a> {
+    /// The zygote's pid: a call's child dies with it.
+    pub(super) pid: Pid,
+    /// The nodes it has compiled: the functions every fork has loaded, how
+    /// a child finds its node, and the generation of the state it copies (a
+    /// standby of an older one is not used).
+    pub(super) nodes: &'a Nodes,
+}
+
+impl Children {
     /// Starts `assignment` in a child, the standby when it is current. The
-    /// caller forks the next standby ([`Zygote::replenish`]) once whoever
-    /// reads the call can, so that fork overlaps the call.
+    /// caller forks the next standby ([`Children::replenish`]) once whoever
+    /// reads the call can, so that fork overlaps the call. With
+    /// `keep_control` (a resident child), its control pipe is returned, for
+    /// the calls after this one. `Unsafe`: recovery is the caller's.
     pub(super) fn dispatch(
         &mut self,
         py: Python<'_>,
-        assignment: &Assignment,
-        logs_so_far: Option<LogBuffer>,
-    ) -> Result<Flight, SpawnError> {
-        self.dispatch_with(py, assignment, logs_so_far, false)
-            .map(|(flight, _)| flight)
-    }
-
-    /// [`Zygote::dispatch`] for a resident child: its control pipe is kept,
-    /// for the calls after this one.
-    pub(super) fn dispatch_resident(
-        &mut self,
-        py: Python<'_>,
-        assignment: &Assignment,
-        logs_so_far: Option<LogBuffer>,
-    ) -> Result<(Flight, Claimed), SpawnError> {
-        self.dispatch_with(py, assignment, logs_so_far, true)
-            .map(|(flight, control)| (flight, control.expect("kept")))
-    }
-
-    fn dispatch_with(
-        &mut self,
-        py: Python<'_>,
+        origin: &Origin<'_>,
         assignment: &Assignment,
         logs_so_far: Option<LogBuffer>,
         keep_control: bool,
     ) -> Result<(Flight, Option<Claimed>), SpawnError> {
-        self.children.reap_landed();
+        self.reap_landed();
         let standby = loop {
-            match self.children.standby.pop_front() {
-                Some(standby) if standby.generation == self.generation => break standby,
-                Some(stale) => self.children.discard(stale),
-                None => break self.fork_standby(py)?,
+            match self.standby.pop_front() {
+                Some(standby) if standby.generation == origin.nodes.generation() => break standby,
+                Some(stale) => self.discard(stale),
+                None => break self.fork_standby(py, origin)?,
             }
         };
         if let Some(logs_so_far) = logs_so_far {
             standby.logs.copy_from(&logs_so_far);
-            self.children.recycle(logs_so_far);
+            self.recycle(logs_so_far);
         }
         let Standby {
             pid,
@@ -248,41 +261,47 @@ impl Zygote {
         Ok((Flight::new(pid, lines, logs, cell, Instant::now()), control))
     }
 
-    /// Forks standby children up to `--standby` (default two, not one: a
-    /// child forked during a call still has its own setup to do, the
-    /// after-fork work and the rehearsal, when the next request arrives
+    /// Forks standby children up to `standby` (`--standby`; default two,
+    /// not one: a child forked during a call still has its own setup to do,
+    /// the after-fork work and the rehearsal, when the next request arrives
     /// right behind the reply; the older one has had a whole call's time
     /// for it): one per call once full, so each has a whole call's time to
-    /// set itself up before it is needed.
-    pub fn replenish(&mut self, py: Python<'_>) {
-        self.learn(py);
-        while self.children.standby.len() < self.standby {
-            match self.fork_standby(py) {
-                Ok(next) => self.children.standby.push_back(next),
-                // Recovery is flagged; the call being started forked safely.
-                Err(SpawnError::Unsafe | SpawnError::NotCompiled) => return,
+    /// set itself up before it is needed. `Unsafe`: recovery is the
+    /// caller's (the call being started forked safely).
+    pub(super) fn replenish(
+        &mut self,
+        py: Python<'_>,
+        origin: &Origin<'_>,
+        standby: usize,
+    ) -> Result<(), SpawnError> {
+        while self.standby.len() < standby {
+            match self.fork_standby(py, origin) {
+                Ok(next) => self.standby.push_back(next),
                 Err(SpawnError::Io(error)) => {
                     tracing::warn!("could not fork a standby child: {error}");
-                    return;
+                    return Ok(());
                 }
+                Err(other) => return Err(other),
             }
         }
+        Ok(())
     }
 
     /// Imports here what calls imported, once a child has tried it
-    /// (`super::learn`): the children forked after start with it.
-    fn learn(&mut self, py: Python<'_>) {
-        if !self.children.learned.has_pending() {
-            return;
+    /// (`super::learn`): true when it did, so the children forked after
+    /// start with it (the standbys forked before do not have it).
+    /// `started`: the zygote's start.
+    pub(super) fn learn(&mut self, py: Python<'_>, started: std::time::SystemTime) -> bool {
+        if !self.learned.has_pending() {
+            return false;
         }
-        let Ok(logs) = self.children.fresh_logs() else {
-            return;
+        let Ok(logs) = self.fresh_logs() else {
+            return false;
         };
-        let imports =
-            super::learn::try_in_child(py, &mut self.children.learned, &logs, self.started);
-        self.children.spare_logs.push(logs);
+        let imports = super::learn::try_in_child(py, &mut self.learned, &logs, started);
+        self.spare_logs.push(logs);
         let Some(names) = imports.filter(|names| !names.is_empty()) else {
-            return;
+            return false;
         };
         let imported =
             fluksio_embed::capture::quietly(py, || Ok(super::learn::import_here(py, &names)))
@@ -292,24 +311,38 @@ impl Zygote {
                 "learned {imported} modules the calls imported: {}",
                 names.join(", ")
             );
-            // Standbys forked before do not have them.
-            self.generation += 1;
         }
+        imported > 0
+    }
+
+    /// What the last fork of a standby took, in the zygote.
+    pub(super) fn fork_cost(&self) -> Duration {
+        self.fork_cost
+    }
+
+    /// In a node's own zygote, just forked: the standby and landing
+    /// children it copied are its parent's. Forgotten, never dropped
+    /// (dropping one would kill its parent's child, or close an fd number
+    /// this process uses for something else by then).
+    pub(super) fn forget_inherited(&mut self) {
+        let fork_cost = self.fork_cost;
+        std::mem::forget(std::mem::take(self));
+        self.fork_cost = fork_cost;
     }
 
     /// Forks a child from the zygote as it is now, set up and waiting.
-    fn fork_standby(&mut self, py: Python<'_>) -> Result<Standby, SpawnError> {
+    fn fork_standby(&mut self, py: Python<'_>, origin: &Origin<'_>) -> Result<Standby, SpawnError> {
         let pipe = || {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| SpawnError::Io(e.into()))
         };
         let (control_read, control_write) = pipe()?;
         let (lines_read, lines_write) = pipe()?;
         let go = assignment::wake_up_call().map_err(SpawnError::Io)?;
-        let logs = self.children.fresh_logs().map_err(SpawnError::Io)?;
+        let logs = self.fresh_logs().map_err(SpawnError::Io)?;
         let cell = match Cell::new() {
             Ok(cell) => cell,
             Err(error) => {
-                self.children.recycle(logs);
+                self.recycle(logs);
                 return Err(SpawnError::Io(error));
             }
         };
@@ -337,12 +370,12 @@ impl Zygote {
                 fds::close_in_child();
                 logs.unmap_all_others();
                 super::threads::forget_shared_page();
-                fork::become_call_child(self.pid);
-                child::stand_by(py, &logs, self.loaded_functions());
+                fork::become_call_child(origin.pid);
+                child::stand_by(py, &logs, origin.nodes.loaded_functions());
                 assignment::wait_for_call(&go);
                 drop(go);
                 let assignment = assignment::receive(control_read.as_raw_fd());
-                let function = self.function_for(&assignment);
+                let function = origin.nodes.function_for(&assignment);
                 if assignment.task == Task::Resident {
                     super::resident::serve_in_turn(
                         py,
@@ -367,8 +400,7 @@ impl Zygote {
                         "a thread that does not stop at fork is running in the zygote; \
                          restarting it before serving another call"
                     );
-                    self.needs_recovery = true;
-                    self.children.recycle(logs);
+                    self.recycle(logs);
                     return Err(SpawnError::Unsafe);
                 }
                 fds::claim(control_write.as_raw_fd());
@@ -381,11 +413,11 @@ impl Zygote {
                     go,
                     logs,
                     cell,
-                    generation: self.generation,
+                    generation: origin.nodes.generation(),
                 })
             }
             Err(error) => {
-                self.children.recycle(logs);
+                self.recycle(logs);
                 Err(SpawnError::Io(error))
             }
         }
@@ -399,7 +431,7 @@ impl Assignment {
             task,
             id: request.id.get().to_string(),
             call_id: request.call_id.clone(),
-            key: super::NodeKey {
+            key: super::node::NodeKey {
                 flow: request.flow.clone(),
                 node: request.node.clone(),
             },
