@@ -296,6 +296,115 @@ impl LineBuffer {
     }
 }
 
+impl LineBuffer {
+    /// The next whole line taken off without its newline (`Err` with its
+    /// size for one over the limit), its bytes zeroed at once: a request
+    /// must not wait in memory for the next read while children fork.
+    pub fn take_line(&mut self) -> Option<Result<Vec<u8>, usize>> {
+        let begin = self.start;
+        let taken = match self.next_piece()? {
+            Piece::Line(line) => Ok(line[..line.len() - 1].to_vec()),
+            Piece::TooLarge(too_large) => Err(too_large.bytes),
+        };
+        let end = self.start;
+        self.buffer[begin.min(end)..end].fill(0);
+        Some(taken)
+    }
+
+    /// At the end of the stream, after every whole line was taken: what is
+    /// left, a last line without its newline (empty if none), zeroed here;
+    /// `Err` with its size if it is over the limit.
+    pub fn take_rest(&mut self) -> Result<Vec<u8>, usize> {
+        let rest = self.buffer[self.start..].to_vec();
+        self.buffer[self.start..].fill(0);
+        self.start = self.buffer.len();
+        self.scanned = 0;
+        match self.dropping.take() {
+            Some((counted, _)) => Err(counted + rest.len()),
+            None => Ok(rest),
+        }
+    }
+
+    /// Puts `bytes` back in front of what is left, as if not yet split.
+    pub fn push_front(&mut self, bytes: &[u8]) {
+        self.buffer
+            .splice(self.start..self.start, bytes.iter().copied());
+        self.scanned = 0;
+    }
+
+    /// What was read and not yet taken.
+    pub fn pending(&self) -> &[u8] {
+        &self.buffer[self.start..]
+    }
+}
+
+/// What reading a request gave.
+pub enum Next {
+    Line(Vec<u8>),
+    /// A line over the limit, skipped whole; its size in bytes.
+    TooLong(usize),
+    Eof,
+    Failed(std::io::Error),
+}
+
+/// Request lines of the worker contract from a stream (a worker's or a
+/// slot's private stdin), each at most `max` bytes, split as a call's lines
+/// are; a last line without its newline still counts.
+pub struct RequestReader {
+    pub fd: std::os::fd::RawFd,
+    pub max: usize,
+    lines: LineBuffer,
+    eof: bool,
+}
+
+impl RequestReader {
+    pub fn new(fd: std::os::fd::RawFd, max: usize) -> RequestReader {
+        RequestReader {
+            fd,
+            max,
+            lines: LineBuffer::with_limit(max),
+            eof: false,
+        }
+    }
+
+    /// Puts bytes back in front, as if not yet read.
+    pub fn push_front(&mut self, bytes: &[u8]) {
+        self.lines.push_front(bytes);
+    }
+
+    /// What has been read and not yet served (requests sent ahead).
+    pub fn unserved(&self) -> &[u8] {
+        self.lines.pending()
+    }
+
+    /// The next line; `wait` blocks until the request fd is readable.
+    pub fn next_with(
+        &mut self,
+        wait: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>) -> std::io::Result<()>,
+    ) -> Next {
+        loop {
+            match self.lines.take_line() {
+                Some(Ok(line)) => return Next::Line(line),
+                Some(Err(size)) => return Next::TooLong(size),
+                None => {}
+            }
+            if self.eof {
+                return match self.lines.take_rest() {
+                    Err(size) => Next::TooLong(size),
+                    Ok(rest) if rest.is_empty() => Next::Eof,
+                    Ok(rest) => Next::Line(rest),
+                };
+            }
+            // SAFETY: the request fd stays open for the reader's lifetime.
+            let input = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) };
+            match wait(input).and_then(|()| self.lines.read_fd(self.fd)) {
+                Ok(read) => self.eof = read == 0,
+                Err(error) => return Next::Failed(error),
+            }
+        }
+    }
+}
+
 /// Makes the pipe `fd` holds a MiB deep (`F_SETPIPE_SZ`), where the
 /// system allows it (`/proc/sys/fs/pipe-max-size`); else it stays as it is.
 pub fn widen_pipe(fd: std::os::fd::RawFd) {
@@ -311,6 +420,44 @@ pub fn newline(bytes: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Requests split off a pipe: a line over the limit is skipped whole
+    /// and counted, a last line without its newline still counts, and a
+    /// line taken leaves no byte of itself behind.
+    #[test]
+    fn requests_are_taken_whole_or_refused_with_their_size() {
+        let (read, write) = nix::unistd::pipe().unwrap();
+        let long = "x".repeat(50);
+        let input = format!("first\n{long}\nsecond\n{long}\nlast");
+        nix::unistd::write(&write, input.as_bytes()).unwrap();
+        drop(write);
+        let mut requests = RequestReader::new(std::os::fd::AsRawFd::as_raw_fd(&read), 10);
+        let mut wait = |_: std::os::fd::BorrowedFd<'_>| Ok(());
+        let mut next = || match requests.next_with(&mut wait) {
+            Next::Line(line) => format!("line {}", String::from_utf8(line).unwrap()),
+            Next::TooLong(size) => format!("too long {size}"),
+            Next::Eof => "eof".to_string(),
+            Next::Failed(error) => format!("failed {error}"),
+        };
+        assert_eq!(next(), "line first");
+        assert_eq!(next(), "too long 50");
+        assert_eq!(next(), "line second");
+        assert_eq!(next(), "too long 50");
+        assert_eq!(next(), "line last");
+        assert_eq!(next(), "eof");
+    }
+
+    #[test]
+    fn a_taken_line_is_zeroed_at_once() {
+        let mut buffer = LineBuffer::with_limit(100);
+        buffer.for_read().extend_from_slice(b"secret\nnext");
+        assert_eq!(buffer.take_line(), Some(Ok(b"secret".to_vec())));
+        assert!(!buffer.buffer.windows(6).any(|w| w == b"secret"));
+        assert_eq!(buffer.pending(), b"next");
+        buffer.push_front(b"again\n");
+        assert_eq!(buffer.take_line(), Some(Ok(b"again".to_vec())));
+        assert_eq!(buffer.take_rest(), Ok(b"next".to_vec()));
+    }
 
     fn feed(buffer: &mut LineBuffer, bytes: &[u8]) -> Vec<String> {
         buffer.for_read().extend_from_slice(bytes);

@@ -67,18 +67,18 @@ pub fn run(options: &WorkerOptions, args: &[String]) -> ExitCode {
         eprintln!("fluksio-zygote: {why}");
         return ExitCode::from(2);
     }
-    let mut requests = crate::worker::RequestReader::new(request_fd, options.max_request_bytes);
+    let mut requests = crate::lines::RequestReader::new(request_fd, options.max_request_bytes);
     loop {
         let next = requests.next_with(&mut |input| wait_readable(input));
         let line = match next {
-            crate::worker::Next::Line(line) => line,
-            crate::worker::Next::TooLong(size) => {
+            crate::lines::Next::Line(line) => line,
+            crate::lines::Next::TooLong(size) => {
                 let refusal = protocol::ProtocolError::too_long(size, options.max_request_bytes);
                 slot.write(&refusal.reply());
                 continue;
             }
-            crate::worker::Next::Eof => return ExitCode::SUCCESS,
-            crate::worker::Next::Failed(error) => {
+            crate::lines::Next::Eof => return ExitCode::SUCCESS,
+            crate::lines::Next::Failed(error) => {
                 eprintln!("fluksio-zygote: could not read stdin: {error}");
                 return ExitCode::FAILURE;
             }

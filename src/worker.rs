@@ -17,6 +17,7 @@ use std::process::ExitCode;
 use pyo3::prelude::*;
 
 use crate::fds;
+use crate::lines::{Next, RequestReader};
 use crate::output::CallOutput;
 use crate::protocol;
 use crate::zygote::channel::write_all;
@@ -55,7 +56,7 @@ pub fn run(options: &WorkerOptions) -> ExitCode {
             let mut pending = None;
             if let Some(resume) = resume {
                 zygote.restore_nodes(py, resume.nodes);
-                requests.push_front(resume.unread);
+                requests.push_front(&resume.unread);
                 pending = resume.pending.map(String::into_bytes);
             }
             let mut replies = Replies {
@@ -77,7 +78,7 @@ fn serve(
     while !replies.broken {
         let line = match pending.take() {
             Some(line) => line,
-            None => match requests.next(zygote) {
+            None => match requests.next_with(&mut |input| zygote.wait_for_input(input)) {
                 Next::Line(line) => line,
                 Next::TooLong(size) => {
                     let refusal = protocol::ProtocolError::too_long(size, requests.max);
@@ -118,7 +119,7 @@ fn serve(
             let resume = recovery::Resume {
                 nodes: zygote.resume_nodes(),
                 pending: (!must.answered).then(|| String::from_utf8_lossy(&line).into_owned()),
-                unread: requests.unread(),
+                unread: requests.unserved().to_vec(),
                 request_fd: requests.fd,
                 reply_fd: replies.fd,
             };
@@ -184,152 +185,4 @@ impl CallOutput for Replies {
     fn reply(&mut self, line: &[u8]) {
         self.send(line);
     }
-}
-
-/// What reading the next request gave.
-pub(crate) enum Next {
-    Line(Vec<u8>),
-    /// A line over the limit, skipped whole; its size in bytes.
-    TooLong(usize),
-    Eof,
-    Failed(std::io::Error),
-}
-
-/// Request lines from the private stdin, each at most `max` bytes.
-pub(crate) struct RequestReader {
-    fd: RawFd,
-    max: usize,
-    buffer: Vec<u8>,
-    /// Where the next line starts in `buffer`.
-    start: usize,
-    /// How far past `start` is known to hold no newline.
-    scanned: usize,
-    eof: bool,
-}
-
-impl RequestReader {
-    pub(crate) fn new(fd: RawFd, max: usize) -> RequestReader {
-        RequestReader {
-            fd,
-            max,
-            buffer: Vec::new(),
-            start: 0,
-            scanned: 0,
-            eof: false,
-        }
-    }
-
-    /// Puts bytes back in front, as if not yet read.
-    fn push_front(&mut self, bytes: Vec<u8>) {
-        let mut joined = bytes;
-        joined.extend_from_slice(&self.buffer[self.start..]);
-        self.buffer = joined;
-        self.start = 0;
-        self.scanned = 0;
-    }
-
-    /// What has been read and not yet served.
-    fn unread(&self) -> Vec<u8> {
-        self.unserved().to_vec()
-    }
-
-    fn unserved(&self) -> &[u8] {
-        &self.buffer[self.start..]
-    }
-
-    /// The next line; while none is there, `zygote` reaps its children.
-    fn next(&mut self, zygote: &mut Zygote) -> Next {
-        self.next_with(&mut |input| zygote.wait_for_input(input))
-    }
-
-    /// The next line; `wait` blocks until the request fd is readable.
-    pub(crate) fn next_with(
-        &mut self,
-        wait: &mut dyn FnMut(std::os::fd::BorrowedFd<'_>) -> std::io::Result<()>,
-    ) -> Next {
-        let mut skipped: Option<usize> = None;
-        loop {
-            let window = &self.buffer[self.start + self.scanned..];
-            if let Some(at) = newline(window) {
-                let end = self.start + self.scanned + at;
-                let length = end - self.start;
-                let next = match skipped {
-                    Some(before) => Next::TooLong(before + length),
-                    // One read brought the whole line and more: still too long.
-                    None if length > self.max => Next::TooLong(length),
-                    None => Next::Line(self.buffer[self.start..end].to_vec()),
-                };
-                // The line is taken (or refused): its bytes go now, not at
-                // the next read, so no child forked while it is served
-                // finds them here.
-                self.buffer[self.start..=end].fill(0);
-                self.start = end + 1;
-                self.scanned = 0;
-                return next;
-            }
-            self.scanned = self.buffer.len() - self.start;
-            if self.scanned > self.max {
-                // Too long to keep: forget it, keep counting to its end.
-                *skipped.get_or_insert(0) += self.scanned;
-                self.buffer[self.start..].fill(0);
-                self.buffer.truncate(self.start);
-                self.scanned = 0;
-            }
-            if self.eof {
-                let rest = self.buffer[self.start..].to_vec();
-                self.buffer[self.start..].fill(0);
-                self.start = self.buffer.len();
-                self.scanned = 0;
-                return match (skipped, rest.is_empty()) {
-                    (Some(before), _) => Next::TooLong(before + rest.len()),
-                    // A last line without a newline is still a line.
-                    (None, false) => Next::Line(rest),
-                    (None, true) => Next::Eof,
-                };
-            }
-            // SAFETY: the request fd stays open for the worker's lifetime.
-            let input = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) };
-            if let Err(error) = wait(input).and_then(|()| self.fill()) {
-                return Next::Failed(error);
-            }
-        }
-    }
-
-    fn fill(&mut self) -> std::io::Result<()> {
-        // Zeroed as they go: the requests served (their kwargs) must not
-        // stay in memory every later call's child is forked with.
-        if self.start > 0 && self.start == self.buffer.len() {
-            crate::scrub::clear(&mut self.buffer);
-            self.start = 0;
-        } else if self.start > (1 << 20) {
-            crate::scrub::drain_front(&mut self.buffer, self.start);
-            self.start = 0;
-        }
-        self.buffer.reserve(1 << 16);
-        loop {
-            let spare = self.buffer.spare_capacity_mut();
-            // SAFETY: reading into spare capacity; set_len covers only what
-            // the kernel wrote.
-            let n = unsafe { libc::read(self.fd, spare.as_mut_ptr().cast(), spare.len()) };
-            if n >= 0 {
-                // SAFETY: as above.
-                unsafe { self.buffer.set_len(self.buffer.len() + n as usize) };
-                self.eof = n == 0;
-                return Ok(());
-            }
-            let error = std::io::Error::last_os_error();
-            if error.kind() != std::io::ErrorKind::Interrupted {
-                return Err(error);
-            }
-        }
-    }
-}
-
-/// Where the first newline in `bytes` is: libc's `memchr`, which is as fast
-/// in a debug build as in a release one (a gigabyte-long line is scanned
-/// whole, in whatever build serves it).
-fn newline(bytes: &[u8]) -> Option<usize> {
-    // SAFETY: memchr reads at most `bytes.len()` bytes from its start.
-    let found = unsafe { libc::memchr(bytes.as_ptr().cast(), b'\n' as i32, bytes.len()) };
-    (!found.is_null()).then(|| found as usize - bytes.as_ptr() as usize)
 }
