@@ -204,13 +204,13 @@ impl Slot {
         };
         drop(lock);
         let mut receiver = Receiver::default();
-        match follow::next_frame(stream.as_fd(), &mut receiver) {
-            Some(Frame::Ready) => {
+        match follow::wait_ready(stream.as_fd(), &mut receiver) {
+            Ok(()) => {
                 self.link = Some(stream);
                 Ok(())
             }
-            Some(Frame::Failed { message }) => Err(message),
-            _ => Err(format!(
+            Err(link::NotReady::Failed(message)) => Err(message),
+            Err(_) => Err(format!(
                 "the shared zygote at {} closed the link before it was ready",
                 self.place.socket.display()
             )),

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
-use crate::link::{Frame, Received, Receiver};
+use crate::link::{Frame, NotReady, Received, Receiver};
 
 /// How to launch a zygote.
 #[derive(Debug, Clone)]
@@ -159,14 +159,14 @@ impl Zygote {
 
     async fn first_frame(&self, receiver: &mut Receiver) -> Result<(), String> {
         loop {
-            match receiver.next_frame() {
-                Ok(Some(Frame::Ready)) => return Ok(()),
-                Ok(Some(Frame::Failed { message })) => return Err(message),
-                Ok(Some(other)) => {
+            match receiver.ready() {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(NotReady::Failed(message))) => return Err(message),
+                Some(Err(NotReady::Said(other))) => {
                     return Err(format!("the zygote said {other:?} before it was ready"));
                 }
-                Ok(None) => {}
-                Err(error) => return Err(error),
+                Some(Err(NotReady::Closed)) => return Err(String::new()),
+                None => {}
             }
             match self.receive(receiver).await {
                 Ok(true) => {}

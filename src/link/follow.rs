@@ -156,11 +156,11 @@ fn drain(fd: RawFd, lines: &mut LineBuffer) {
     while matches!(lines.read_fd(fd), Ok(n) if n > 0) {}
 }
 
-/// Blocks for the next whole frame on a fresh link.
-pub fn next_frame(link: BorrowedFd<'_>, receiver: &mut Receiver) -> Option<Frame> {
+/// Blocks for a fresh link's first frame: `Ready`, or why not.
+pub fn wait_ready(link: BorrowedFd<'_>, receiver: &mut Receiver) -> Result<(), super::NotReady> {
     loop {
-        if let Ok(Some(frame)) = receiver.next_frame() {
-            return Some(frame);
+        if let Some(ready) = receiver.ready() {
+            return ready;
         }
         match receiver.receive(link) {
             Ok(Received::Data) => {}
@@ -168,7 +168,7 @@ pub fn next_frame(link: BorrowedFd<'_>, receiver: &mut Receiver) -> Option<Frame
                 let mut fds = [PollFd::new(link, PollFlags::POLLIN)];
                 let _ = poll(&mut fds, PollTimeout::NONE);
             }
-            _ => return None,
+            Ok(Received::Closed) | Err(_) => return Err(super::NotReady::Closed),
         }
     }
 }

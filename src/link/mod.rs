@@ -300,6 +300,31 @@ fn wait_writable(socket: BorrowedFd<'_>) -> std::io::Result<()> {
     }
 }
 
+/// Why the zygote on a fresh link is not ready to serve.
+#[derive(Debug)]
+pub enum NotReady {
+    /// It could not start, and said why.
+    Failed(String),
+    /// Its first frame was something else.
+    Said(Frame),
+    /// The link closed (it ended as it started), or could not be read.
+    Closed,
+}
+
+impl Receiver {
+    /// What a fresh link's first frame says, once it has arrived: `None`
+    /// while it has not. Every owner of a link waits for this first.
+    pub fn ready(&mut self) -> Option<Result<(), NotReady>> {
+        match self.next_frame() {
+            Ok(Some(Frame::Ready)) => Some(Ok(())),
+            Ok(Some(Frame::Failed { message })) => Some(Err(NotReady::Failed(message))),
+            Ok(Some(other)) => Some(Err(NotReady::Said(other))),
+            Ok(None) => None,
+            Err(_) => Some(Err(NotReady::Closed)),
+        }
+    }
+}
+
 /// Frames as they arrive on a socket: bytes and fds, reassembled.
 #[derive(Default)]
 pub struct Receiver {

@@ -29,7 +29,7 @@ use pyo3::prelude::*;
 
 use super::node::{self, NodeKey};
 use crate::fds::{self, Claimed};
-use crate::link::{self, Frame, Received, Receiver};
+use crate::link::{self, Frame, NotReady, Receiver};
 use crate::process::ExitWatch;
 use fluksio_embed::capture::LogBuffer;
 use fluksio_embed::fork;
@@ -149,28 +149,11 @@ fn become_node_zygote(zygote: &mut impl Parent, parent: Pid, link: Claimed) -> O
 
 /// Blocks for the node zygote's first frame: `Ready`, or why it is not.
 pub fn wait_ready(node_zygote: &NodeZygote, receiver: &mut Receiver) -> Result<(), String> {
-    loop {
-        match receiver.next_frame() {
-            Ok(Some(Frame::Ready)) => return Ok(()),
-            Ok(Some(Frame::Failed { message })) => return Err(message),
-            Ok(Some(other)) => return Err(format!("it said {other:?} before it was ready")),
-            Ok(None) => {}
-            Err(error) => return Err(error),
-        }
-        match receiver.receive(node_zygote.link.as_fd()) {
-            Ok(Received::Data) => {}
-            Ok(Received::WouldBlock) => {
-                let mut fds = [nix::poll::PollFd::new(
-                    node_zygote.link.as_fd(),
-                    nix::poll::PollFlags::POLLIN,
-                )];
-                let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE);
-            }
-            Ok(Received::Closed) | Err(_) => {
-                return Err(format!("it ended as it started (pid {})", node_zygote.pid));
-            }
-        }
-    }
+    crate::link::follow::wait_ready(node_zygote.link.as_fd(), receiver).map_err(|not| match not {
+        NotReady::Failed(message) => message,
+        NotReady::Said(other) => format!("it said {other:?} before it was ready"),
+        NotReady::Closed => format!("it ended as it started (pid {})", node_zygote.pid),
+    })
 }
 
 /// Sends a frame to a node zygote, whole.

@@ -15,6 +15,8 @@ pub const WAIT: Duration = Duration::from_secs(60);
 pub struct Agent {
     pub child: Child,
     pub stderr: Receiver<String>,
+    /// Seen to have exited: its log is whole once its stderr closes.
+    exited: bool,
 }
 
 impl Agent {
@@ -43,12 +45,24 @@ impl Agent {
             .spawn()
             .expect("the agent starts");
         let stderr = lines(child.stderr.take().unwrap());
-        Agent { child, stderr }
+        Agent {
+            child,
+            stderr,
+            exited: false,
+        }
     }
 
+    /// What it has logged so far; all of it, once it has exited (the
+    /// reader may still be passing its last lines on).
     pub fn log(&self) -> String {
         let mut text = String::new();
-        while let Ok(line) = self.stderr.try_recv() {
+        loop {
+            let line = if self.exited {
+                self.stderr.recv_timeout(Duration::from_secs(5)).ok()
+            } else {
+                self.stderr.try_recv().ok()
+            };
+            let Some(line) = line else { break };
             text.push_str(&line);
             text.push('\n');
         }
@@ -60,6 +74,7 @@ impl Agent {
         let start = std::time::Instant::now();
         while start.elapsed() < limit {
             if let Some(status) = self.child.try_wait().unwrap() {
+                self.exited = true;
                 return status.code();
             }
             std::thread::sleep(Duration::from_millis(20));
