@@ -22,7 +22,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::artifacts::store::Store;
-use crate::artifacts::{self, ArtifactError, Digest};
+use crate::artifacts::{ArtifactError, Digest};
 use crate::zygote::channel;
 
 /// The host `fluksio`'s functions are served by in every runtime process.
@@ -40,10 +40,6 @@ impl Host for Runtime {
 
 impl ArtifactStore for Store {
     fn save(&self, source: Source<'_>, name: &str, media_type: &str) -> Result<Saved, PyErr> {
-        let source = match source {
-            Source::Bytes(bytes) => artifacts::Source::Bytes(bytes),
-            Source::File(path) => artifacts::Source::File(path),
-        };
         let saved = Store::save(self, source, name, media_type).map_err(to_python)?;
         Ok(Saved {
             digest: saved.digest.to_string(),

@@ -34,11 +34,9 @@ pub const CACHE_ENV: &str = "FLUKSIO_ARTIFACT_CACHE";
 /// Seconds an HTTP store may stay silent before a transfer fails.
 pub const TIMEOUT_ENV: &str = "FLUKSIO_ARTIFACT_TIMEOUT";
 
-/// What is saved: bytes already in memory, or a file read a chunk at a time.
-pub enum Source<'a> {
-    Bytes(&'a [u8]),
-    File(&'a Path),
-}
+/// What is saved: bytes already in memory, or a file read a chunk at a
+/// time (as `fluksio.save_artifact` was given it).
+pub use fluksio_embed::module::Source;
 
 /// A saved artifact, as the reference's dict carries it (`name` and
 /// `media_type` are the caller's).
