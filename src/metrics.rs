@@ -296,32 +296,18 @@ pub fn serve_for_zygote(addr: &str) -> Result<(), String> {
 }
 
 fn spawn_server(listener: &std::net::TcpListener, page: &OwnedFd) -> std::io::Result<()> {
-    use std::os::unix::process::CommandExt;
     let (listener_fd, page_fd) = (listener.as_raw_fd(), page.as_raw_fd());
     let mut command = std::process::Command::new(std::env::current_exe()?);
     command
         .arg("metrics-server")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null());
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        command.pre_exec(move || {
-            // dup2 onto itself keeps close-on-exec: cleared by hand.
-            if libc::dup2(listener_fd, SERVER_LISTENER_FD) < 0
-                || libc::dup2(page_fd, SERVER_PAGE_FD) < 0
-                || libc::fcntl(SERVER_LISTENER_FD, libc::F_SETFD, 0) < 0
-                || libc::fcntl(SERVER_PAGE_FD, libc::F_SETFD, 0) < 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
-            if libc::getppid() != parent {
-                libc::_exit(1);
-            }
-            Ok(())
-        });
+    crate::process::Start {
+        fds: vec![(listener_fd, SERVER_LISTENER_FD), (page_fd, SERVER_PAGE_FD)],
+        dies_with_parent: true,
+        ..Default::default()
     }
+    .on(&mut command);
     command.spawn().map(|_| ())
 }
 

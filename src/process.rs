@@ -243,35 +243,70 @@ impl ExitWatch {
     }
 }
 
-/// Makes `command` start as nobody's child here (forked once more before
-/// its exec, the middle process exiting), in a session of its own, with
-/// `fd` as its fd 3: for processes that must outlive their starter (the
-/// warden, a shared zygote). `spawn` returns once it has exec'd; wait for
-/// the returned child, which is the middle process.
-pub fn detach_with_fd(command: &mut std::process::Command, fd: std::os::fd::RawFd) {
-    use std::os::unix::process::CommandExt;
-    const TARGET: std::os::fd::RawFd = 3;
-    // SAFETY: between fork and exec only dup2, fcntl, fork, _exit and
-    // setsid, which are async-signal-safe.
-    unsafe {
-        command.pre_exec(move || {
-            // dup2 onto itself would keep close-on-exec set.
-            let moved = if fd == TARGET {
-                libc::fcntl(TARGET, libc::F_SETFD, 0)
-            } else {
-                libc::dup2(fd, TARGET)
-            };
-            if moved < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            match libc::fork() {
-                -1 => return Err(io::Error::last_os_error()),
-                0 => {}
-                _ => libc::_exit(0),
-            }
-            libc::setsid();
-            Ok(())
-        });
+/// What a helper process the runtime starts (its zygote, a warden, a
+/// service, the metrics server) has done to it between its fork and its
+/// exec. One place, so every such call there is async-signal-safe.
+#[derive(Debug, Default)]
+pub struct Start {
+    /// `(fd, at)`: `fd` of this process becomes the child's `at`, open
+    /// across its exec. In order: an `at` must not be a later `fd`.
+    pub fds: Vec<(std::os::fd::RawFd, std::os::fd::RawFd)>,
+    /// A cell's `cgroup.procs`: the child joins the cell before its exec.
+    pub join_cell: Option<std::os::fd::RawFd>,
+    /// A session of its own.
+    pub own_session: bool,
+    /// SIGKILLed when this process dies (and not started if it already has).
+    pub dies_with_parent: bool,
+    /// Nobody's child here: forked once more, the middle process exiting,
+    /// so it outlives its starter. `spawn` returns once it has exec'd; the
+    /// child to wait for is the middle process.
+    pub detached: bool,
+}
+
+impl Start {
+    /// Sets this up to run in `command`'s child before its exec.
+    pub fn on(self, command: &mut std::process::Command) {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: getpid has no preconditions.
+        let parent = unsafe { libc::getpid() };
+        // SAFETY: between fork and exec only dup2, fcntl, write, fork,
+        // _exit, setsid, prctl and getppid, all async-signal-safe; nothing
+        // allocates (the fds were moved in before the fork).
+        unsafe {
+            command.pre_exec(move || {
+                for &(fd, at) in &self.fds {
+                    // dup2 onto itself would keep close-on-exec set.
+                    let moved = if fd == at {
+                        libc::fcntl(at, libc::F_SETFD, 0)
+                    } else {
+                        libc::dup2(fd, at)
+                    };
+                    if moved < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
+                if let Some(procs) = self.join_cell {
+                    libc::write(procs, b"0".as_ptr().cast(), 1);
+                }
+                if self.detached {
+                    match libc::fork() {
+                        -1 => return Err(io::Error::last_os_error()),
+                        0 => {}
+                        _ => libc::_exit(0),
+                    }
+                }
+                if self.own_session || self.detached {
+                    libc::setsid();
+                }
+                if self.dies_with_parent {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+                    if libc::getppid() != parent {
+                        libc::_exit(1);
+                    }
+                }
+                Ok(())
+            });
+        }
     }
 }
 

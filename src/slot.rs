@@ -238,7 +238,12 @@ impl Slot {
             .stdout(Stdio::null())
             .stderr(Stdio::from(log));
         // Nobody's child: it outlives the slot that started it.
-        crate::process::detach_with_fd(&mut command, status_write.as_raw_fd());
+        crate::process::Start {
+            fds: vec![(status_write.as_raw_fd(), 3)],
+            detached: true,
+            ..Default::default()
+        }
+        .on(&mut command);
         let mut intermediate = command
             .spawn()
             .map_err(|e| format!("could not start the shared zygote: {e}"))?;

@@ -7,7 +7,6 @@
 //! local path of an artifact, fetched and verified before the start.
 
 use std::collections::BTreeMap;
-use std::os::unix::process::CommandExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -121,21 +120,13 @@ async fn run(
         Err(error) => return format!("OSError: could not make the service's cgroup: {error}"),
     };
     let (procs, _) = cell.procs_fds();
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        let agent_pid = libc::getpid();
-        command.pre_exec(move || {
-            if let Some(fd) = procs {
-                libc::write(fd, b"0".as_ptr().cast(), 1);
-            }
-            libc::setsid();
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
-            if libc::getppid() != agent_pid {
-                libc::_exit(1);
-            }
-            Ok(())
-        });
+    crate::process::Start {
+        join_cell: procs,
+        own_session: true,
+        dies_with_parent: true,
+        ..Default::default()
     }
+    .on(&mut command);
     let spawned = tokio::process::Command::from(command).spawn();
     cell.forked();
     let mut child = match spawned {

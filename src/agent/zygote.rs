@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -97,28 +96,17 @@ impl Zygote {
                     .try_clone_to_owned()
                     .map_err(|e| e.to_string())?,
             ));
-        // SAFETY: between fork and exec only async-signal-safe calls: dup2,
-        // setsid, prctl, getppid.
-        unsafe {
-            let agent = libc::getpid();
-            command.pre_exec(move || {
-                if libc::dup2(theirs_fd, 3) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if let Some(page) = page_fd
-                    && libc::dup2(page, 4) < 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                libc::setsid();
-                // Dead with the agent, and with it every call it forked.
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
-                if libc::getppid() != agent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
+        // Its link at 3 (and the metrics page at 4); in a session of its
+        // own, dead with the agent, and with it every call it forked.
+        let mut fds = vec![(theirs_fd, 3)];
+        fds.extend(page_fd.map(|page| (page, 4)));
+        crate::process::Start {
+            fds,
+            own_session: true,
+            dies_with_parent: true,
+            ..Default::default()
         }
+        .on(&mut command);
         let mut child = tokio::process::Command::from(command)
             .kill_on_drop(false)
             .spawn()

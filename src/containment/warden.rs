@@ -42,7 +42,12 @@ pub fn spawn(dirs: &[PathBuf]) -> io::Result<Claimed> {
         .env_clear();
     // Nobody's child, so the owner's children are its calls alone, and in
     // a session of its own, so a signal to the owner's group spares it.
-    crate::process::detach_with_fd(&mut command, read_fd);
+    crate::process::Start {
+        fds: vec![(read_fd, 3)],
+        detached: true,
+        ..Default::default()
+    }
+    .on(&mut command);
     // Returns once the warden has exec'd (std waits for the exec through a
     // close-on-exec pipe, which the warden holds until then).
     let mut intermediate = command.spawn()?;
