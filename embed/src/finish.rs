@@ -254,8 +254,6 @@ pub fn at_end(py: Python<'_>, ending: Ending) {
         };
     }
     if ending == Ending::Exit {
-        // As at exit: the standard streams first, then every other file.
-        flush_standard(py);
         if let Ok(files) = young_files(py, None) {
             for file in files {
                 let _ = file.call_method0("close");
