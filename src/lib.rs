@@ -31,6 +31,7 @@ pub mod link;
 pub mod metrics;
 pub mod nesting;
 pub mod output;
+pub mod poll_set;
 pub mod process;
 pub mod protocol;
 pub mod python_str;

@@ -33,8 +33,8 @@ use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
 use crate::end::End;
-use crate::link::follow::{self, Followed};
-use crate::link::{self, Frame, Receiver};
+use crate::link;
+use crate::link::client::{Client, LinkLost};
 use crate::output::CallOutput;
 use crate::protocol;
 use crate::worker::WorkerOptions;
@@ -60,7 +60,6 @@ pub fn run(options: &WorkerOptions, args: &[String]) -> ExitCode {
         place,
         args: args.to_vec(),
         link: None,
-        next_ticket: 0,
         reply_fd,
     };
     if let Err(why) = slot.connect() {
@@ -178,8 +177,8 @@ struct Slot {
     place: Place,
     /// The zygote's flags, for starting one.
     args: Vec<String>,
-    link: Option<UnixStream>,
-    next_ticket: u64,
+    /// The link to the shared zygote, while it serves.
+    link: Option<(UnixStream, Client)>,
     reply_fd: RawFd,
 }
 
@@ -203,10 +202,10 @@ impl Slot {
             }
         };
         drop(lock);
-        let mut receiver = Receiver::default();
-        match follow::wait_ready(stream.as_fd(), &mut receiver) {
+        let mut client = Client::default();
+        match client.wait_ready(stream.as_fd()) {
             Ok(()) => {
-                self.link = Some(stream);
+                self.link = Some((stream, client));
                 Ok(())
             }
             Err(link::NotReady::Failed(message)) => Err(message),
@@ -278,37 +277,15 @@ impl Slot {
             self.write(&End::Lost(message.to_string()).reply(id, call_id, ""));
             return;
         }
-        self.next_ticket += 1;
-        let ticket = self.next_ticket;
-        let stream = self.link.as_ref().expect("connected above");
-        let sent = link::send(
-            stream.as_fd(),
-            &Frame::Call {
-                ticket,
-                request: line.to_vec(),
-            },
-        );
-        let outcome = match sent {
-            Ok(()) => self.follow(ticket, id, call_id),
-            Err(_) => Followed::LinkLost { replied: false },
-        };
-        if let Followed::LinkLost { replied } = outcome {
-            self.link = None;
-            if !replied {
-                let message = "the shared zygote ended during the call (its log says why); \
-                               the call's process ended with it";
-                self.write(&End::Lost(message.to_string()).reply(id, call_id, ""));
-            }
-        }
-    }
-
-    /// Relays the call's lines until it is over (`crate::link::follow`).
-    fn follow(&mut self, ticket: u64, id: &RawValue, call_id: &str) -> Followed {
-        let stream = self.link.take().expect("connected");
+        let (stream, client) = self.link.as_mut().expect("connected above");
         let mut out = Writer(self.reply_fd);
-        let outcome = follow::follow(stream.as_fd(), ticket, id, call_id, &mut out);
-        self.link = Some(stream);
-        outcome
+        let called = client.call(stream.as_fd(), line.to_vec(), (id, call_id), &mut out);
+        if let Err(LinkLost(mut unanswered)) = called {
+            self.link = None;
+            let why = "the shared zygote ended during the call (its log says why); the call's \
+                       process ended with it";
+            unanswered.lost(why.to_string(), &mut out);
+        }
     }
 }
 

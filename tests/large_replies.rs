@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::agent::{Agent, WAIT};
 use common::engine::{Answer, Engine};
-use common::{Worker, run};
+use common::{Worker, compile, run};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -251,4 +251,64 @@ fn over_the_limit_in_agent_mode_a_clear_error_and_the_agent_serves_on() {
     );
     let (_, reply) = connection.reply_to(&run_call("after", BIG, json!({"n": 4})), WAIT);
     assert_eq!(reply["result"], "xxxx");
+}
+
+/// A node that says its pid, sends an event of `n` bytes, then would stay.
+const BIG_THEN_STAY: &str = r#"
+import os, time, fluksio
+TABLE = list(range(1_000_000))
+
+def process(n, pid_file):
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    fluksio.emit(out="x" * n)
+    time.sleep(60)
+    return "not reached"
+"#;
+
+/// Over the limit where the call's pipe is read by another process than the
+/// zygote that forked it: a pool slot (its shared zygote) and a zygote
+/// relaying to a node's own zygote. The call's process is ended there too,
+/// the reply says why, and the next call works.
+#[test]
+fn over_the_limit_through_a_slot_or_a_node_zygote_the_call_is_ended() {
+    let _turn = one_at_a_time();
+    let dir = common::scratch("large-replies-elsewhere");
+    let scope = format!("large-replies-{}", std::process::id());
+    let slot_env = [
+        ("FLUKSIO_MAX_REPLY_MB", "8"),
+        ("FLUKSIO_SHARED_ZYGOTE", "1"),
+        ("FLUKSIO_TEST_SCOPE", scope.as_str()),
+        ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "0.5"),
+    ];
+    let workers = [
+        ("a pool slot", Worker::zygote_with(&[], &slot_env)),
+        (
+            "a node's own zygote",
+            Worker::zygote_with(
+                &["--node-zygote-mib", "16"],
+                &[("FLUKSIO_MAX_REPLY_MB", "8")],
+            ),
+        ),
+    ];
+    for (at, mut worker) in workers {
+        let compiled = worker.call(&compile(1, "stay", BIG_THEN_STAY)).reply;
+        assert_eq!(compiled["ok"], true, "{at}: {compiled}");
+        let pid_file = dir.join("pid");
+        let answer = worker.call(&run(
+            2,
+            "stay",
+            BIG_THEN_STAY,
+            json!({"n": 20 * MB, "pid_file": pid_file}),
+        ));
+        assert!(answer.events.is_empty(), "{at}: the event is not sent");
+        check_too_large(&answer.reply, "an event the node sent", 20, 8);
+        let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().parse().unwrap();
+        assert!(
+            common::wait_gone(pid, Duration::from_secs(10)),
+            "{at}: the call's process {pid} is still running"
+        );
+        let reply = worker.call(&run(3, "big", BIG, json!({"n": 3}))).reply;
+        assert_eq!(reply["result"], "xxx", "{at}");
+    }
 }

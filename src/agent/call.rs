@@ -2,24 +2,27 @@
 //!
 //! The request goes to the zygote as it came (its `env` remapped); the
 //! zygote forks and hands back the child's pidfd (what a cancel kills) and,
-//! for a run, its line pipe, which is read here: every line goes to the
-//! engine as it arrives, events before the reply. A child that ends without
-//! a reply gets one written here, saying how it ended.
+//! for a run, its line pipe. The call is followed by `link::follow`'s
+//! `Follower`, the one follower of a linked call, driven here by the
+//! agent's event loop: every line goes to the engine as it arrives, events
+//! before the reply, and a child that ends without a reply gets the one
+//! reply that says how (`NodeCancelled` after a cancel).
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::value::RawValue;
+use tokio::io::unix::AsyncFd;
 
 use super::outbox::Outbox;
 use super::state::Agent;
 use super::zygote::Event;
 use crate::end::End;
-use crate::lines::{LineBuffer, Piece, TooLarge};
 use crate::link::Frame;
-use crate::process::ChildEnd;
+use crate::link::follow::{CallPipe, Follower};
+use crate::output::CallOutput;
 use crate::protocol;
 
 /// Serves one run or compile to its end. `key` names it in the outbox's
@@ -110,32 +113,16 @@ impl Call<'_> {
         self.outbox.started(self.key, pidfd);
     }
 
-    /// Kills the call's child now, not as a cancel.
-    fn kill_child(&self) {
-        self.outbox.kill_child(self.key);
-    }
-
     /// Whether the engine cancelled the call.
     fn cancelled(&self) -> bool {
         self.outbox.cancelled(self.key)
     }
 }
 
-/// What ended a call, as it is followed.
-enum Until {
-    /// With the reply's error type (`None`: it succeeded).
-    Replied(Option<String>),
-    /// The child's lines ended with no reply; wait for how it ended.
-    Silent,
-    /// The zygote said how the child ended (it wrote no reply).
-    Ended(ChildEnd, String),
-    Gone(String),
-    /// A line over `--max-reply-mb`: the child was killed.
-    TooLarge(TooLarge),
-}
-
-/// The call's lines to the engine; what happened, for the log (a detail
-/// where the agent answered for the call, and the reply's error type).
+/// The call's lines to the engine, as [`Follower`] reads them (the one
+/// follower of a call served over a link, here driven by the agent's event
+/// loop); what happened, for the log (a detail where the agent answered
+/// for the call, and the reply's error type).
 async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Option<String>) {
     let remote = || Some(crate::end::REMOTE_ERROR.to_string());
     let zygote = match agent.zygote().await {
@@ -152,194 +139,87 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
             return (why, remote());
         }
     };
-    let until = loop {
-        let Some(event) = events.recv().await else {
-            break Until::Gone("the zygote dropped the call".into());
-        };
-        match event {
-            Event::Frame(Frame::Started { pidfd, .. }) => call.started(pidfd),
-            Event::Frame(Frame::Line { line, .. }) => {
-                if protocol::is_event(&line) {
-                    call.outbox.send_raw(&line).await;
-                    continue;
-                }
-                // The zygote answered for a child it saw die; if that was our
-                // cancel, the engine hears NodeCancelled.
-                let cancelled = call
-                    .cancelled()
-                    .then(|| crate::end::as_cancelled(&line))
-                    .flatten();
-                let reply = cancelled.as_deref().unwrap_or(&line);
-                call.outbox.send_raw(reply).await;
-                break Until::Replied(crate::telemetry::error_type(reply));
-            }
-            Event::Frame(Frame::Pipe { pipe, .. }) => {
-                match forward_pipe(call, pipe, &mut events).await {
-                    Until::Silent => {}
-                    other => break other,
-                }
-            }
-            Event::Frame(Frame::Ended { end, logs, .. }) => break Until::Ended(end, logs),
-            // The zygote is done with a request it never answered (a frame it
-            // could not send): the call still gets a reply.
-            Event::Frame(Frame::Done { .. }) => {
-                break Until::Gone("the zygote ended the call without a reply".into());
-            }
-            Event::Frame(Frame::Lost { message, .. }) => break Until::Gone(message),
-            Event::Frame(other) => tracing::warn!("unexpected from the zygote: {other:?}"),
-            Event::Gone(why) => break Until::Gone(why),
-        }
-    };
-    zygote.done(ticket);
-    match until {
-        Until::Replied(error_type) => (String::new(), error_type),
-        Until::Ended(end, logs) => {
-            let end = if call.cancelled() {
-                End::Cancelled(end)
-            } else {
-                End::Process(end)
-            };
-            let reply = end.reply(call.id, call.call_id, &logs);
-            call.outbox.send_raw(&reply).await;
-            (
-                format!("the node process {end}"),
-                crate::telemetry::error_type(&reply),
-            )
-        }
-        Until::Gone(why) => {
-            let message = format!("{why} while the call ran; a new zygote serves the next calls");
-            call.end(End::Lost(message), "").await;
-            (why, remote())
-        }
-        Until::TooLarge(too_large) => {
-            call.outbox
-                .send_raw(&too_large.reply(call.id, call.call_id))
-                .await;
-            (
-                format!("{} bytes in one line, over --max-reply-mb", too_large.bytes),
-                Some(crate::lines::TOO_LARGE.to_string()),
-            )
-        }
-        Until::Silent => unreachable!("a silent pipe is followed by more frames"),
-    }
-}
-
-/// Forwards a run's lines from its pipe as they come, until the reply;
-/// watches the zygote meanwhile, so a child that ended (while something it
-/// forked still holds the pipe) or a zygote that died ends the wait too.
-/// Lines are split by [`LineBuffer`]: linear in their size, each at most
-/// `--max-reply-mb` (one over it kills the child and ends the call).
-async fn forward_pipe(
-    call: &Call<'_>,
-    pipe: OwnedFd,
-    events: &mut tokio::sync::mpsc::UnboundedReceiver<Event>,
-) -> Until {
-    let Ok(pipe) = tokio::net::unix::pipe::Receiver::from_owned_fd(pipe) else {
-        return Until::Silent;
-    };
-    let mut lines = LineBuffer::new();
-    loop {
-        // Every await below is cancel-safe: what was read is in `lines`.
+    let mut follower = Follower::<AsyncFd<OwnedFd>>::new(ticket, call.id, call.call_id);
+    let mut lines = ToSend::default();
+    let mut stale = false;
+    while !follower.is_over() {
         tokio::select! {
-            ready = pipe.readable() => {
-                if ready.is_err() {
-                    return Until::Silent;
+            readable = readable(follower.pipe(), stale) => {
+                stale = readable.is_ok() && !follower.read_pipe(&mut lines);
+            }
+            event = events.recv() => {
+                if call.cancelled() {
+                    follower.cancel();
                 }
-                let read = pipe.try_io(|| lines.read_fd(pipe.as_raw_fd()));
-                match Read::from(read) {
-                    Read::Data => {}
-                    Read::WouldBlock => continue,
-                    // Half a line, cut short by the child's death, is no line at all.
-                    Read::Ended => return Until::Silent,
-                }
-                if let Some(until) = forward_lines(call, &mut lines).await {
-                    return until;
+                match event {
+                    Some(Event::Frame(Frame::Started { ticket, pid, pidfd })) => {
+                        // The outbox kills it on a cancel; the follower, for
+                        // a line over the limit.
+                        if let Ok(ours) = pidfd.try_clone() {
+                            call.started(ours);
+                        }
+                        follower.frame(Frame::Started { ticket, pid, pidfd }, &mut lines);
+                    }
+                    Some(Event::Frame(frame)) => follower.frame(frame, &mut lines),
+                    Some(Event::Gone(why)) => {
+                        let why = format!("{why} while the call ran; a new zygote serves the next calls");
+                        follower.lost(why, &mut lines);
+                    }
+                    None => follower.lost("the zygote dropped the call".into(), &mut lines),
                 }
             }
-            event = events.recv() => match event {
-                Some(Event::Frame(Frame::Ended { end, logs, .. })) => {
-                    // The child is gone; what it wrote is in the pipe now.
-                    return drain(call, &pipe, &mut lines).await.unwrap_or(Until::Ended(end, logs));
-                }
-                Some(Event::Frame(Frame::Started { pidfd, .. })) => call.started(pidfd),
-                Some(Event::Gone(why) | Event::Frame(Frame::Lost { message: why, .. })) => {
-                    return drain(call, &pipe, &mut lines).await.unwrap_or(Until::Gone(why));
-                }
-                Some(Event::Frame(Frame::Done { .. })) => {
-                    let why = "the zygote ended the call without a reply".to_string();
-                    return drain(call, &pipe, &mut lines).await.unwrap_or(Until::Gone(why));
-                }
-                Some(other) => tracing::warn!("unexpected from the zygote: {other:?}"),
-                None => return Until::Gone("the zygote dropped the call".into()),
-            },
         }
+        for line in lines.lines.drain(..) {
+            call.outbox.send_raw(&line).await;
+        }
+    }
+    zygote.done(ticket);
+    (String::new(), lines.error_type.flatten())
+}
+
+/// Waits until the run's pipe is readable; never, while there is none.
+/// `stale`: the last read found nothing, so the readiness seen before is
+/// spent (a read must come up empty before tokio waits for the next).
+async fn readable(pipe: Option<&AsyncFd<OwnedFd>>, stale: bool) -> std::io::Result<()> {
+    let Some(pipe) = pipe else {
+        return std::future::pending().await;
+    };
+    let mut guard = pipe.readable().await?;
+    if stale {
+        guard.clear_ready();
+        guard = pipe.readable().await?;
+    }
+    guard.retain_ready();
+    Ok(())
+}
+
+impl CallPipe for AsyncFd<OwnedFd> {
+    fn hold(pipe: OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
+        // SAFETY: an OwnedFd's fd stays open and the same until it drops,
+        // which is when the AsyncFd drops.
+        unsafe { AsyncFd::register_with_interest(pipe, tokio::io::Interest::READABLE) }
+            .map_err(|error| error.into_parts().1)
     }
 }
 
-/// What one read of a call's pipe gave.
-enum Read {
-    Data,
-    WouldBlock,
-    /// End of file, or an error: nothing more comes.
-    Ended,
+/// A call's lines, handed over by the follower, to be sent to the engine
+/// (without their newline: one WebSocket message each).
+#[derive(Default)]
+struct ToSend {
+    lines: Vec<Vec<u8>>,
+    /// The reply's error type, once it came (`None` inside: it succeeded).
+    error_type: Option<Option<String>>,
 }
 
-impl From<std::io::Result<usize>> for Read {
-    fn from(read: std::io::Result<usize>) -> Read {
-        match read {
-            Ok(0) => Read::Ended,
-            Ok(_) => Read::Data,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Read::WouldBlock,
-            Err(_) => Read::Ended,
-        }
+impl CallOutput for ToSend {
+    fn event(&mut self, line: &[u8]) {
+        self.lines
+            .push(line.strip_suffix(b"\n").unwrap_or(line).to_vec());
     }
-}
 
-/// Sends the whole lines read so far; `Some` once the call is over (its
-/// reply sent, or a line over the limit, its child then killed).
-async fn forward_lines(call: &Call<'_>, lines: &mut LineBuffer) -> Option<Until> {
-    while let Some(piece) = lines.next_piece() {
-        match piece {
-            Piece::Line(line) => {
-                let line = line.strip_suffix(b"\n").unwrap_or(line);
-                call.outbox.send_raw(line).await;
-                if !protocol::is_event(line) {
-                    return Some(Until::Replied(crate::telemetry::error_type(line)));
-                }
-            }
-            Piece::TooLarge(too_large) => {
-                tracing::warn!(
-                    call = %call.call_id,
-                    bytes = too_large.bytes,
-                    "a call's line is over --max-reply-mb; its process is killed"
-                );
-                call.kill_child();
-                return Some(Until::TooLarge(too_large));
-            }
-        }
-    }
-    None
-}
-
-/// Forwards the whole lines already in a dead child's pipe, without waiting
-/// for more; `Some` if the call ended among them (its reply, a line over
-/// the limit).
-async fn drain(
-    call: &Call<'_>,
-    pipe: &tokio::net::unix::pipe::Receiver,
-    lines: &mut LineBuffer,
-) -> Option<Until> {
-    loop {
-        if let Some(until) = forward_lines(call, lines).await {
-            return Some(until);
-        }
-        // Straight from the fd (nonblocking), whatever readiness tokio has
-        // seen: a grandchild holding the write end must not keep the call
-        // waiting for more.
-        match Read::from(lines.read_fd(pipe.as_raw_fd())) {
-            Read::Data => {}
-            Read::WouldBlock | Read::Ended => return None,
-        }
+    fn reply(&mut self, line: &[u8]) {
+        self.error_type = Some(crate::telemetry::error_type(line));
+        self.event(line);
     }
 }
 

@@ -120,13 +120,6 @@ impl Outbox {
         }
     }
 
-    /// Kills call `key`'s child now, not as a cancel.
-    pub fn kill_child(&self, key: u64) {
-        if let Some((_, running)) = lock(&self.running).get(&key) {
-            running.kill_child();
-        }
-    }
-
     /// Whether the engine cancelled call `key`.
     pub fn cancelled(&self, key: u64) -> bool {
         lock(&self.running)

@@ -221,10 +221,11 @@ impl Exit {
             Some(pidfd) => {
                 let _ = pidfd.readable().await;
             }
-            // No pidfd on this kernel: ask every 50 ms.
+            // No pidfd on this kernel: ask as often as `PollSet` does.
             None => {
+                let every = crate::poll_set::FALLBACK_POLL_MS.into();
                 while !crate::process::has_exited(self.pid) {
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    tokio::time::sleep(std::time::Duration::from_millis(every)).await;
                 }
             }
         }

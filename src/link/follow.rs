@@ -1,174 +1,202 @@
-//! Following one call that another process serves, from a thread that may
-//! block: a pool slot following the shared zygote, a worker following a
-//! node's own zygote.
+//! Following one call that another process serves: the one follower of
+//! the link's frames, driven by whoever owns the call. A pool slot and a
+//! zygote relaying to a node's own zygote drive it from a thread that may
+//! block (`super::client`); the agent drives it from its async tasks.
 //!
 //! The call's lines come two ways: as `Line` frames (a compile, a refusal),
 //! or on the run's own pipe, handed over in a `Pipe` frame and read here.
 //! `Ended` says the run's child was reaped: what it wrote is read to the
 //! end, and if it wrote no reply, one is written for it that says how it
-//! ended. `Done` and `Lost` say nothing more comes. Lines reach `out`
-//! with their newline, as a call's lines do everywhere else.
+//! ended (`crate::end`). `Done` and `Lost` say nothing more comes. Lines
+//! reach the call's output with their newline, as a call's lines do
+//! everywhere else.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use serde_json::value::RawValue;
 
-use super::{Frame, Received, Receiver};
+use super::Frame;
 use crate::end::End;
-use crate::lines::{LineBuffer, Piece};
-use crate::output::CallOutput;
+use crate::lines::TooLarge;
+use crate::output::{CallLines, CallOutput};
 use crate::protocol;
 
-/// How following a call ended.
-pub enum Followed {
-    /// The call is over, its reply written.
-    Done,
-    /// The link closed (the serving process died) before the call was over.
-    LinkLost { replied: bool },
+/// How an owner holds a run's pipe: as it came, for a thread that polls
+/// it, or registered with the agent's event loop.
+pub trait CallPipe: AsRawFd + Sized {
+    fn hold(pipe: OwnedFd) -> std::io::Result<Self>;
 }
 
-/// Follows call `ticket` on `link` until it is over, its lines to `out`.
-/// `id` and `call_id` are the request's, for a reply written here.
-pub fn follow(
-    link: BorrowedFd<'_>,
+impl CallPipe for OwnedFd {
+    fn hold(pipe: OwnedFd) -> std::io::Result<OwnedFd> {
+        Ok(pipe)
+    }
+}
+
+/// One call followed over a link, from its `Call` frame to its reply.
+pub struct Follower<P: CallPipe = OwnedFd> {
     ticket: u64,
-    id: &RawValue,
-    call_id: &str,
-    out: &mut dyn CallOutput,
-) -> Followed {
-    let mut receiver = Receiver::default();
-    let mut pipe: Option<OwnedFd> = None;
-    let mut lines = LineBuffer::new();
-    let mut replied = false;
-    'call: loop {
-        if replied {
-            return Followed::Done;
-        }
-        let (link_ready, pipe_ready) = {
-            let mut fds = vec![PollFd::new(link, PollFlags::POLLIN)];
-            if let Some(pipe) = &pipe {
-                fds.push(PollFd::new(pipe.as_fd(), PollFlags::POLLIN));
-            }
-            match poll(&mut fds, PollTimeout::NONE) {
-                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                Err(_) => return Followed::LinkLost { replied },
-            }
-            let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
-            (ready(&fds[0]), fds.get(1).is_some_and(ready))
-        };
-        if pipe_ready && let Some(fd) = pipe.as_ref().map(|p| p.as_raw_fd()) {
-            match lines.read_fd(fd) {
-                Ok(0) | Err(_) => pipe = None,
-                Ok(_) => replied |= relay(&mut lines, id, call_id, out),
-            }
-            continue;
-        }
-        if !link_ready {
-            continue;
-        }
-        match receiver.receive(link) {
-            Ok(Received::Data) | Ok(Received::WouldBlock) => {}
-            Ok(Received::Closed) | Err(_) => return Followed::LinkLost { replied },
-        }
-        while let Ok(Some(frame)) = receiver.next_frame() {
-            if frame.ticket() != Some(ticket) {
-                // Another call's late news: that call is over.
-                continue;
-            }
-            match frame {
-                Frame::Line { mut line, .. } => {
-                    // Lines cross the link without their newline.
-                    line.push(b'\n');
-                    if protocol::is_event(&line) {
-                        out.event(&line);
-                    } else {
-                        out.reply(&line);
-                        replied = true;
-                    }
-                }
-                Frame::Pipe { pipe: fd, .. } => pipe = Some(fd),
-                Frame::Started { pid, .. } => out.started(nix::unistd::Pid::from_raw(pid)),
-                Frame::Ended { end, logs, .. } => {
-                    // What it wrote before it ended comes first.
-                    if let Some(fd) = pipe.take() {
-                        drain(fd.as_raw_fd(), &mut lines);
-                        replied |= relay(&mut lines, id, call_id, out);
-                    }
-                    if !replied {
-                        out.reply(&End::Process(end).reply(id, call_id, &logs));
-                    }
-                    break 'call Followed::Done;
-                }
-                // Nothing more comes (the process that served it is gone,
-                // or never started it): its lines so far, then a reply if
-                // it wrote none.
-                Frame::Done { .. } | Frame::Lost { .. } => {
-                    if let Some(fd) = pipe.take() {
-                        drain(fd.as_raw_fd(), &mut lines);
-                        replied |= relay(&mut lines, id, call_id, out);
-                    }
-                    if !replied {
-                        let message = match frame {
-                            Frame::Lost { message, .. } => message,
-                            _ => "the zygote ended the call without a reply".to_string(),
-                        };
-                        out.reply(&End::Lost(message).reply(id, call_id, ""));
-                    }
-                    break 'call Followed::Done;
-                }
-                _ => {}
-            }
-        }
-    }
+    /// The request's, for a reply written here.
+    id: Box<RawValue>,
+    call_id: String,
+    /// The run's line pipe, once the serving zygote handed it over.
+    pipe: Option<P>,
+    lines: CallLines,
+    /// A pidfd of the call's child: a line over the limit kills it here.
+    child: Option<OwnedFd>,
+    /// The owner cancelled the call: an end without a reply says so.
+    cancelled: bool,
+    over: bool,
 }
 
-/// Writes every whole line in `lines`; true once the reply went out.
-fn relay(lines: &mut LineBuffer, id: &RawValue, call_id: &str, out: &mut dyn CallOutput) -> bool {
-    let mut replied = false;
-    while let Some(piece) = lines.next_piece() {
-        if replied {
-            // Nothing after the reply belongs to the call.
-            continue;
+impl<P: CallPipe> Follower<P> {
+    pub fn new(ticket: u64, id: &RawValue, call_id: &str) -> Follower<P> {
+        Follower {
+            ticket,
+            id: id.to_owned(),
+            call_id: call_id.to_string(),
+            pipe: None,
+            lines: CallLines::new(),
+            child: None,
+            cancelled: false,
+            over: false,
         }
-        match piece {
-            Piece::Line(line) => {
-                if protocol::is_event(line) {
-                    out.event(line);
+    }
+
+    /// Whether the call is over, its reply written.
+    pub fn is_over(&self) -> bool {
+        self.over
+    }
+
+    /// The run's pipe, while there is one to read: wait for it to be
+    /// readable, then [`Follower::read_pipe`].
+    pub fn pipe(&self) -> Option<&P> {
+        self.pipe.as_ref()
+    }
+
+    /// The owner cancelled the call: if its process ends without a reply,
+    /// the reply says it was cancelled.
+    pub fn cancel(&mut self) {
+        self.cancelled = true;
+    }
+
+    /// Takes one frame of the link; another call's frames are left alone.
+    pub fn frame(&mut self, frame: Frame, out: &mut dyn CallOutput) {
+        if self.over || frame.ticket() != Some(self.ticket) {
+            // Another call's late news: that call is over.
+            return;
+        }
+        match frame {
+            Frame::Line { mut line, .. } => {
+                // Lines cross the link without their newline.
+                line.push(b'\n');
+                if protocol::is_event(&line) {
+                    out.event(&line);
                 } else {
-                    out.reply(line);
-                    replied = true;
+                    // The zygote answered for a child it saw die: if that
+                    // was a cancel, the reply says so.
+                    let cancelled = self.cancelled.then(|| crate::end::as_cancelled(&line));
+                    match cancelled.flatten() {
+                        Some(mut reply) => {
+                            reply.push(b'\n');
+                            out.reply(&reply);
+                        }
+                        None => out.reply(&line),
+                    }
+                    self.over = true;
                 }
             }
-            Piece::TooLarge(too_large) => {
-                out.reply(&too_large.reply(id, call_id));
-                replied = true;
+            Frame::Pipe { pipe, .. } => {
+                crate::fds::set_nonblocking(pipe.as_raw_fd());
+                match P::hold(pipe) {
+                    Ok(pipe) => self.pipe = Some(pipe),
+                    // Its lines are lost; how the run ends still comes.
+                    Err(error) => tracing::warn!("could not watch a call's pipe: {error}"),
+                }
             }
+            Frame::Started { pid, pidfd, .. } => {
+                self.child = Some(pidfd);
+                out.started(nix::unistd::Pid::from_raw(pid));
+            }
+            Frame::Ended { end, logs, .. } => {
+                let end = if self.cancelled {
+                    End::Cancelled(end)
+                } else {
+                    End::Process(end)
+                };
+                self.end(end, &logs, out);
+            }
+            // Nothing more comes (the process that served it is gone, or
+            // never started it).
+            Frame::Lost { message, .. } => self.end(End::Lost(message), "", out),
+            Frame::Done { .. } => {
+                let why = "the zygote ended the call without a reply".to_string();
+                self.end(End::Lost(why), "", out);
+            }
+            other => tracing::warn!("unexpected on a call's link: {other:?}"),
         }
     }
-    replied
-}
 
-/// Reads what is left in a pipe whose writer has exited, without waiting
-/// for a grandchild that may still hold it.
-fn drain(fd: RawFd, lines: &mut LineBuffer) {
-    crate::fds::set_nonblocking(fd);
-    while matches!(lines.read_fd(fd), Ok(n) if n > 0) {}
-}
-
-/// Blocks for a fresh link's first frame: `Ready`, or why not.
-pub fn wait_ready(link: BorrowedFd<'_>, receiver: &mut Receiver) -> Result<(), super::NotReady> {
-    loop {
-        if let Some(ready) = receiver.ready() {
-            return ready;
-        }
-        match receiver.receive(link) {
-            Ok(Received::Data) => {}
-            Ok(Received::WouldBlock) => {
-                let mut fds = [PollFd::new(link, PollFlags::POLLIN)];
-                let _ = poll(&mut fds, PollTimeout::NONE);
+    /// Reads the run's pipe once (it is nonblocking) and hands over its
+    /// whole lines. False if there was nothing to read yet.
+    pub fn read_pipe(&mut self, out: &mut dyn CallOutput) -> bool {
+        let Some(fd) = self.pipe.as_ref().map(|pipe| pipe.as_raw_fd()) else {
+            return true;
+        };
+        match self.lines.read_fd(fd) {
+            Ok(0) => self.close_pipe(),
+            Ok(_) => {
+                let too_large = self.lines.hand_over(out);
+                self.after_lines(too_large, out);
             }
-            Ok(Received::Closed) | Err(_) => return Err(super::NotReady::Closed),
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(_) => self.close_pipe(),
         }
+        true
+    }
+
+    /// The link closed before the call was over: what the child wrote,
+    /// then a reply that says `why`, if it wrote none.
+    pub fn lost(&mut self, why: String, out: &mut dyn CallOutput) {
+        if !self.over {
+            self.end(End::Lost(why), "", out);
+        }
+    }
+
+    /// The call's process is gone: the rest of its pipe, then `end`'s reply
+    /// if the call has none.
+    fn end(&mut self, end: End, logs: &str, out: &mut dyn CallOutput) {
+        if let Some(fd) = self.pipe.as_ref().map(|pipe| pipe.as_raw_fd()) {
+            let too_large = self.lines.drain(fd, out);
+            self.close_pipe();
+            self.after_lines(too_large, out);
+        }
+        if !self.over {
+            out.reply(&end.reply(&self.id, &self.call_id, logs));
+            self.over = true;
+        }
+    }
+
+    /// The call is over once its reply came; a line over the limit before
+    /// it ends the call: its child is killed, and the reply says why.
+    fn after_lines(&mut self, too_large: Option<TooLarge>, out: &mut dyn CallOutput) {
+        if let Some(too_large) = too_large {
+            tracing::warn!(
+                call = %self.call_id,
+                bytes = too_large.bytes,
+                "a call's line is over --max-reply-mb; its process is killed"
+            );
+            if let Some(child) = &self.child {
+                crate::process::pidfd_kill(child.as_fd());
+            }
+            self.close_pipe();
+            out.reply(&too_large.reply(&self.id, &self.call_id));
+        }
+        self.over |= too_large.is_some() || self.lines.replied();
+    }
+
+    fn close_pipe(&mut self) {
+        self.pipe = None;
+        self.lines.clear();
     }
 }

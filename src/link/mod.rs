@@ -13,6 +13,7 @@
 //! the tickets, one per request. File descriptors travel with the frame that
 //! names them, in the same `sendmsg`, and are taken in order on receipt.
 
+pub mod client;
 pub mod follow;
 
 use std::collections::VecDeque;

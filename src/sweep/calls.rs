@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollTimeout, poll};
+use nix::poll::PollFlags;
 use nix::sys::signal::Signal;
 use pyo3::prelude::*;
 use serde_json::value::RawValue;
@@ -13,8 +13,9 @@ use serde_json::{Map, Value};
 use crate::end::End;
 use crate::fds::Claimed;
 use crate::output::CallOutput;
+use crate::poll_set::PollSet;
 use crate::protocol::{Op, Request};
-use crate::zygote::flight::Flight;
+use crate::zygote::flight::{Flight, Watched};
 use crate::zygote::{SpawnError, Zygote};
 
 /// How long a wait may block: a signal that lands between checking for it
@@ -387,64 +388,34 @@ impl<'a> Calls<'a> {
         &self,
         also: Option<std::os::fd::BorrowedFd<'_>>,
     ) -> Result<(Vec<usize>, Vec<usize>, bool), String> {
-        let mut fds: Vec<PollFd<'_>> = Vec::new();
-        if let Some(also) = also {
-            fds.push(PollFd::new(also, nix::poll::PollFlags::POLLIN));
-        }
-        let first_call = fds.len();
-        // (call, whether the fd is its exit watch) for each polled fd.
-        let mut owners = Vec::new();
-        for (i, call) in self.running.iter().enumerate() {
-            if let Some(pipe) = call.flight.pipe_poll() {
-                fds.push(pipe);
-                owners.push((i, false));
-            }
-            if let Some(exit) = call.flight.exit_poll() {
-                fds.push(exit);
-                owners.push((i, true));
-            }
-        }
-        // Short without pidfds, so exits are asked about often enough.
-        let mut timeout = if self.running.iter().all(|c| c.flight.exit_poll().is_some()) {
-            WAKE_MS
-        } else {
-            crate::zygote::flight::FALLBACK_POLL_MS.min(WAKE_MS)
-        };
-        // Awake for the nearest `--timeout` (to the millisecond above it, so
-        // the wake finds it past).
+        let mut set = PollSet::new();
+        let also = also.map(|also| set.fd(also, PollFlags::POLLIN));
+        let watched: Vec<Watched> = self
+            .running
+            .iter()
+            .map(|call| call.flight.watch(&mut set))
+            .collect();
+        // Awake for the nearest `--timeout`.
         let now = Instant::now();
-        if let Some(nearest) = self
+        let nearest = self
             .running
             .iter()
             .filter(|call| call.answer.replied_at.is_none())
             .filter_map(|call| self.deadline(call))
             .min()
-        {
-            let left = nearest.saturating_duration_since(now);
-            let millis = left.as_nanos().div_ceil(1_000_000);
-            timeout = timeout.min(millis.min(u128::from(u16::MAX)) as u16);
-        }
-        match poll(&mut fds, PollTimeout::from(timeout)) {
-            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-            Err(e) => return Err(format!("poll failed: {e}")),
-        }
-        let also_ready = also.is_some() && fds[0].revents().is_some_and(|r| !r.is_empty());
-        let mut readable = Vec::new();
-        let mut exited = Vec::new();
-        for (fd, &(i, is_exit)) in fds[first_call..].iter().zip(&owners) {
-            if fd.revents().is_some_and(|r| !r.is_empty()) {
-                if is_exit {
-                    exited.push(i)
-                } else {
-                    readable.push(i)
-                }
-            }
-        }
-        exited.extend((0..self.running.len()).filter(|&i| {
-            self.running[i].flight.exit_poll().is_none() && self.running[i].flight.has_exited()
-        }));
-        exited.sort_unstable();
-        exited.dedup();
+            .map(|nearest| nearest.saturating_duration_since(now));
+        let wake = Duration::from_millis(WAKE_MS.into());
+        set.wait(Some(nearest.map_or(wake, |nearest| nearest.min(wake))))
+            .map_err(|e| format!("poll failed: {e}"))?;
+        let also_ready = also.is_some_and(|also| set.ready(also));
+        let readable = (watched.iter().enumerate())
+            .filter(|(_, w)| w.pipe.is_some_and(|pipe| set.ready(pipe)))
+            .map(|(i, _)| i)
+            .collect();
+        let exited = (watched.iter().enumerate())
+            .filter(|(_, w)| set.ready(w.exit))
+            .map(|(i, _)| i)
+            .collect();
         Ok((readable, exited, also_ready))
     }
 }

@@ -348,12 +348,7 @@ fn write_all(fd: RawFd, mut bytes: &[u8]) -> std::io::Result<()> {
 
 /// Whether a lane exited within `limit`.
 fn wait_exit(lane: &NodeZygote, limit: Duration) -> bool {
-    let Some(fd) = lane.exit.fd() else {
-        return crate::process::has_exited(lane.pid);
-    };
-    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
-    let millis = limit.as_millis().min(u16::MAX as u128) as u16;
-    matches!(poll(&mut fds, PollTimeout::from(millis)), Ok(n) if n > 0)
+    crate::poll_set::wait_exit(lane.pid, &lane.exit, limit)
 }
 
 fn unsafe_borrow<'a>(fd: RawFd) -> BorrowedFd<'a> {

@@ -29,7 +29,6 @@ use pyo3::prelude::*;
 
 use super::node::{self, NodeKey};
 use crate::fds::{self, Claimed};
-use crate::link::{self, Frame, NotReady, Receiver};
 use crate::process::ExitWatch;
 use fluksio_embed::capture::LogBuffer;
 use fluksio_embed::fork;
@@ -145,20 +144,6 @@ fn become_node_zygote(zygote: &mut impl Parent, parent: Pid, link: Claimed) -> O
     crate::containment::become_node_zygote();
     node::forget_module_dir();
     link
-}
-
-/// Blocks for the node zygote's first frame: `Ready`, or why it is not.
-pub fn wait_ready(node_zygote: &NodeZygote, receiver: &mut Receiver) -> Result<(), String> {
-    crate::link::follow::wait_ready(node_zygote.link.as_fd(), receiver).map_err(|not| match not {
-        NotReady::Failed(message) => message,
-        NotReady::Said(other) => format!("it said {other:?} before it was ready"),
-        NotReady::Closed => format!("it ended as it started (pid {})", node_zygote.pid),
-    })
-}
-
-/// Sends a frame to a node zygote, whole.
-pub fn send(node_zygote: &NodeZygote, frame: &Frame) -> std::io::Result<()> {
-    link::send(node_zygote.link.as_fd(), frame)
 }
 
 impl NodeZygote {

@@ -7,19 +7,19 @@
 //! running), and only then is it reaped, so its pid cannot have been reused
 //! by the time the group is signalled.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::Instant;
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::PollFlags;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
 use crate::containment::Cell;
 use crate::fds;
-use crate::lines::{LineBuffer, Piece, TooLarge};
-use crate::output::CallOutput;
+use crate::lines::TooLarge;
+use crate::output::{CallLines, CallOutput};
+use crate::poll_set::{Key, PollSet};
 use crate::process::{self, ChildEnd, ExitWatch, Reaped};
-use crate::protocol;
 use fluksio_embed::capture::LogBuffer;
 
 /// A call's child that has been forked and not yet reaped.
@@ -27,15 +27,20 @@ pub struct Flight {
     pub pid: Pid,
     pipe: Option<OwnedFd>,
     exit: ExitWatch,
-    /// What was read and is not yet a whole line (`crate::lines`).
-    pending: LineBuffer,
+    lines: CallLines,
     /// A line over `--max-reply-mb` ended the call: the child was killed,
     /// and the call's reply is the error this holds.
     too_large: Option<TooLarge>,
-    replied: bool,
     logs: Option<LogBuffer>,
     cell: Option<Cell>,
     pub started: Instant,
+}
+
+/// What a flight waits for, in a [`PollSet`].
+pub struct Watched {
+    /// Its pipe, while open.
+    pub pipe: Option<Key>,
+    pub exit: Key,
 }
 
 /// A child killed with its cell and not yet reaped. Its cell goes back
@@ -63,9 +68,8 @@ impl Flight {
             pid,
             pipe: Some(pipe),
             exit: ExitWatch::new(pid),
-            pending: LineBuffer::new(),
+            lines: CallLines::new(),
             too_large: None,
-            replied: false,
             logs: Some(logs),
             cell: Some(cell),
             started,
@@ -82,12 +86,12 @@ impl Flight {
 
     /// The call's lines read so far, held across a fork (`crate::scrub`).
     pub fn held(&self) -> crate::scrub::Held {
-        self.pending.held()
+        self.lines.held()
     }
 
     /// Readies the flight of a resident child for its next call.
     pub fn rearm(&mut self) {
-        self.replied = false;
+        self.lines.rearm();
         self.started = Instant::now();
     }
 
@@ -98,17 +102,16 @@ impl Flight {
         Some(pipe)
     }
 
-    /// What to poll for this flight's lines: its pipe, while open.
-    pub fn pipe_poll(&self) -> Option<PollFd<'_>> {
-        self.pipe
-            .as_ref()
-            .map(|pipe| PollFd::new(pipe.as_fd(), PollFlags::POLLIN))
-    }
-
-    /// What to poll for this flight's exit: its pidfd, where there is one.
-    /// Without one, poll every [`FALLBACK_POLL_MS`] and ask [`Flight::has_exited`].
-    pub fn exit_poll(&self) -> Option<PollFd<'_>> {
-        self.exit.fd().map(|fd| PollFd::new(fd, PollFlags::POLLIN))
+    /// Adds what to wait for to `set`: this flight's pipe, while open,
+    /// and its exit.
+    pub fn watch<'a>(&'a self, set: &mut PollSet<'a>) -> Watched {
+        Watched {
+            pipe: self
+                .pipe
+                .as_ref()
+                .map(|pipe| set.fd(pipe.as_fd(), PollFlags::POLLIN)),
+            exit: set.exit(self.pid, &self.exit),
+        }
     }
 
     /// Whether the child has exited (it may not be reaped yet).
@@ -118,23 +121,7 @@ impl Flight {
 
     /// Waits at most `limit` for the child to exit; whether it did.
     pub fn wait_exit(&self, limit: std::time::Duration) -> bool {
-        let deadline = Instant::now() + limit;
-        loop {
-            if self.has_exited() {
-                return true;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            let step = PollTimeout::from((left.as_millis().max(1) as u16).min(FALLBACK_POLL_MS));
-            match self.exit_poll() {
-                Some(exit) => {
-                    let _ = poll(&mut [exit], step);
-                }
-                None => std::thread::sleep(std::time::Duration::from_millis(1)),
-            }
-        }
+        crate::poll_set::wait_exit(self.pid, &self.exit, limit)
     }
 
     /// Reads what the child wrote so far and hands over every whole line.
@@ -143,9 +130,12 @@ impl Flight {
         let Some(fd) = self.pipe.as_ref().map(|p| p.as_raw_fd()) else {
             return;
         };
-        match read_into(fd, &mut self.pending) {
-            Some(0) | None => self.close_pipe(),
-            Some(_) => self.hand_over_lines(out),
+        match self.lines.read_fd(fd) {
+            Ok(0) | Err(_) => self.close_pipe(),
+            Ok(_) => {
+                let too_large = self.lines.hand_over(out);
+                self.end_if_too_large(too_large);
+            }
         }
     }
 
@@ -154,40 +144,21 @@ impl Flight {
         if let Some(pipe) = self.pipe.take() {
             fds::forget(pipe.as_raw_fd());
         }
-        self.pending.clear();
+        self.lines.clear();
     }
 
-    /// Hands over the whole lines read so far. Each byte is searched for
-    /// its newline once (a reply of hundreds of MB comes in thousands of
-    /// reads); a line over the limit kills the call (see [`Flight::too_large`]).
-    fn hand_over_lines(&mut self, out: &mut dyn CallOutput) {
-        while let Some(piece) = self.pending.next_piece() {
-            let line = match piece {
-                Piece::Line(line) => line,
-                Piece::TooLarge(too_large) => {
-                    if !self.replied {
-                        tracing::warn!(
-                            pid = self.pid.as_raw(),
-                            bytes = too_large.bytes,
-                            "a call's line is over --max-reply-mb; its process is killed"
-                        );
-                        self.too_large = Some(too_large);
-                        self.kill_all();
-                        self.close_pipe();
-                    }
-                    return;
-                }
-            };
-            if self.replied {
-                // Nothing after the reply belongs to the call.
-                continue;
-            }
-            if protocol::is_event(line) {
-                out.event(line);
-            } else {
-                self.replied = true;
-                out.reply(line);
-            }
+    /// A line over `--max-reply-mb` ends the call: its child is killed,
+    /// and its reply is the error kept here (see [`Flight::too_large`]).
+    fn end_if_too_large(&mut self, too_large: Option<TooLarge>) {
+        if let Some(too_large) = too_large {
+            tracing::warn!(
+                pid = self.pid.as_raw(),
+                bytes = too_large.bytes,
+                "a call's line is over --max-reply-mb; its process is killed"
+            );
+            self.too_large = Some(too_large);
+            self.kill_all();
+            self.close_pipe();
         }
     }
 
@@ -204,15 +175,9 @@ impl Flight {
     pub fn land(mut self, out: &mut dyn CallOutput) -> std::io::Result<Landed> {
         process::wait_exited(self.pid)?;
         if let Some(fd) = self.pipe.as_ref().map(|p| p.as_raw_fd()) {
-            // What is in the pipe now is all the child wrote; a grandchild
-            // holding the write end must not keep us waiting for more.
-            crate::fds::set_nonblocking(fd);
-            while !self.replied {
-                match read_into(fd, &mut self.pending) {
-                    Some(n) if n > 0 => self.hand_over_lines(out),
-                    _ => break,
-                }
-            }
+            // What is in the pipe now is all the child wrote.
+            let too_large = self.lines.drain(fd, out);
+            self.end_if_too_large(too_large);
             self.close_pipe();
         }
         self.kill_all();
@@ -233,7 +198,7 @@ impl Flight {
         );
         Ok(Landed {
             reaped,
-            replied: self.replied,
+            replied: self.lines.replied(),
             logs: self.logs.take().expect("a flight lands once"),
             cell,
         })
@@ -255,7 +220,7 @@ impl Flight {
     ) -> std::io::Result<Option<bool>> {
         let deadline = limit.map(|limit| Instant::now() + limit);
         loop {
-            if self.replied {
+            if self.lines.replied() {
                 return Ok(Some(true));
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
@@ -263,32 +228,18 @@ impl Flight {
                 return Ok(None);
             }
             let (pipe_ready, exit_ready) = {
-                let pipe = self.pipe_poll();
-                let exit = self.exit_poll();
-                let timeout = match (left, exit.is_some()) {
-                    (Some(left), true) => PollTimeout::try_from(left.as_millis().max(1) as u64)
-                        .unwrap_or(PollTimeout::MAX),
-                    (Some(left), false) => {
-                        PollTimeout::from((left.as_millis().max(1) as u16).min(FALLBACK_POLL_MS))
-                    }
-                    (None, true) => PollTimeout::NONE,
-                    (None, false) => PollTimeout::from(FALLBACK_POLL_MS),
-                };
-                let watching_pipe = pipe.is_some();
-                let mut fds: Vec<PollFd<'_>> = pipe.into_iter().chain(exit).collect();
-                match poll(&mut fds, timeout) {
-                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
-                let pipe_ready = watching_pipe && fds.first().is_some_and(ready);
-                let exit_ready = self.exit.fd().is_some() && fds.last().is_some_and(ready);
-                (pipe_ready, exit_ready)
+                let mut set = PollSet::new();
+                let watched = self.watch(&mut set);
+                set.wait(left)?;
+                (
+                    watched.pipe.is_some_and(|pipe| set.ready(pipe)),
+                    set.ready(watched.exit),
+                )
             };
             if pipe_ready {
                 self.read(out);
             }
-            if !self.replied && (exit_ready || (self.exit.fd().is_none() && self.has_exited())) {
+            if !self.lines.replied() && exit_ready {
                 return Ok(Some(false));
             }
         }
@@ -309,19 +260,10 @@ impl Flight {
     }
 }
 
-/// How often a child's exit is asked about where the kernel has no pidfd.
-pub const FALLBACK_POLL_MS: u16 = 50;
-
 impl Drop for Flight {
     fn drop(&mut self) {
         if let Some(pipe) = &self.pipe {
             fds::forget(pipe.as_raw_fd());
         }
     }
-}
-
-/// One read appended to `lines`; `None` on an error other than EINTR
-/// (EAGAIN included).
-fn read_into(fd: RawFd, lines: &mut LineBuffer) -> Option<usize> {
-    lines.read_fd(fd).ok()
 }

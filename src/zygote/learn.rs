@@ -24,7 +24,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -280,23 +280,11 @@ fn run_try(py: Python<'_>, names: &[String], started: f64) -> PyResult<Vec<Strin
 /// Waits up to `limit` for `pid` to exit, then kills its session; how it
 /// ended (`None`: killed for taking too long).
 fn wait_for(pid: nix::unistd::Pid, limit: Duration) -> Option<crate::process::ChildEnd> {
-    let deadline = Instant::now() + limit;
     let watch = crate::process::ExitWatch::new(pid);
-    while !crate::process::has_exited(pid) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            crate::process::kill_group(pid, nix::sys::signal::Signal::SIGKILL);
-            let _ = crate::process::reap(pid);
-            return None;
-        }
-        let wait_ms = left.as_millis().min(100) as u16;
-        match watch.fd() {
-            Some(fd) => {
-                let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
-                let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(wait_ms));
-            }
-            None => std::thread::sleep(Duration::from_millis(wait_ms.into())),
-        }
+    if !crate::poll_set::wait_exit(pid, &watch, limit) {
+        crate::process::kill_group(pid, nix::sys::signal::Signal::SIGKILL);
+        let _ = crate::process::reap(pid);
+        return None;
     }
     crate::process::kill_group(pid, nix::sys::signal::Signal::SIGKILL);
     crate::process::reap(pid).ok().map(|reaped| reaped.end)

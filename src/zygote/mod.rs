@@ -52,6 +52,7 @@ pub use startup::{StartupError, ZygoteOptions, boot, print_startup_error};
 
 use pyo3::prelude::*;
 
+use crate::link::client::LinkLost;
 use crate::output::CallOutput;
 use crate::protocol::{self, Op, Request};
 use assignment::{Assignment, Task};
@@ -523,9 +524,14 @@ impl Zygote {
         let Some(own) = self.nodes.own_zygote(key) else {
             return;
         };
-        if let Some(lost) = own.relay(request, out) {
+        let pid = own.pid();
+        if let Err(LinkLost(mut unanswered)) = own.relay(request, out) {
             self.nodes.end_own_zygote(key);
-            lost.answer(key, request, out);
+            let why = format!(
+                "the zygote of node {key} (pid {pid}) ended during the call; the node's next \
+                 call loads it again"
+            );
+            unanswered.lost(why, out);
         }
     }
 }

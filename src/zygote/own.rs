@@ -5,39 +5,35 @@ use std::os::fd::AsFd;
 
 use nix::unistd::Pid;
 
-use super::app::{self, NodeZygote};
-use super::node::NodeKey;
-use crate::end::End;
-use crate::link::follow::{Followed, follow};
-use crate::link::{Frame, Receiver};
+use super::app::NodeZygote;
+use crate::link::NotReady;
+use crate::link::client::{Client, LinkLost};
 use crate::output::CallOutput;
 use crate::protocol::Request;
 
 /// A node's own zygote: calls go down its link.
 pub(super) struct OwnZygote {
     node_zygote: NodeZygote,
-    next_ticket: u64,
-}
-
-/// Its zygote ended during a call.
-pub(super) struct Lost {
-    pid: Pid,
-    /// Whether the call's reply had come back before.
-    replied: bool,
+    client: Client,
 }
 
 impl OwnZygote {
     /// Takes a node zygote once it says it is ready; ends it where it is not.
     pub(super) fn when_ready(node_zygote: NodeZygote) -> Result<OwnZygote, String> {
-        let mut receiver = Receiver::default();
-        match app::wait_ready(&node_zygote, &mut receiver) {
+        let mut client = Client::default();
+        match client.wait_ready(node_zygote.link.as_fd()) {
             Ok(()) => Ok(OwnZygote {
                 node_zygote,
-                next_ticket: 0,
+                client,
             }),
-            Err(why) => {
+            Err(not) => {
+                let pid = node_zygote.pid;
                 node_zygote.end();
-                Err(why)
+                Err(match not {
+                    NotReady::Failed(message) => message,
+                    NotReady::Said(other) => format!("it said {other:?} before it was ready"),
+                    NotReady::Closed => format!("it ended as it started (pid {pid})"),
+                })
             }
         }
     }
@@ -47,51 +43,23 @@ impl OwnZygote {
     }
 
     /// Serves `request` there: the request down its link, its lines back to
-    /// `out`. Where its zygote has ended, the caller ends it and answers
-    /// ([`Lost::answer`]).
-    pub(super) fn relay(&mut self, request: &Request, out: &mut dyn CallOutput) -> Option<Lost> {
-        self.next_ticket += 1;
-        let ticket = self.next_ticket;
-        let call = Frame::Call {
-            ticket,
-            request: request.to_worker_line(),
-        };
-        let followed = match app::send(&self.node_zygote, &call) {
-            Ok(()) => follow(
-                self.node_zygote.link.as_fd(),
-                ticket,
-                &request.id,
-                &request.call_id,
-                out,
-            ),
-            Err(_) => Followed::LinkLost { replied: false },
-        };
-        match followed {
-            Followed::LinkLost { replied } => Some(Lost {
-                pid: self.node_zygote.pid,
-                replied,
-            }),
-            Followed::Done => None,
-        }
+    /// `out`. `Err` where its zygote ended during the call: the caller ends
+    /// it, then answers ([`LinkLost`]).
+    pub(super) fn relay(
+        &mut self,
+        request: &Request,
+        out: &mut dyn CallOutput,
+    ) -> Result<(), LinkLost> {
+        self.client.call(
+            self.node_zygote.link.as_fd(),
+            request.to_worker_line(),
+            (&request.id, &request.call_id),
+            out,
+        )
     }
 
     /// Ends it, and whatever its calls left.
     pub(super) fn end(self) {
         self.node_zygote.end();
-    }
-}
-
-impl Lost {
-    /// The call's reply, where its zygote ended before it came: the node is
-    /// forgotten, so its next request loads it again.
-    pub(super) fn answer(self, key: &NodeKey, request: &Request, out: &mut dyn CallOutput) {
-        if !self.replied {
-            let pid = self.pid;
-            let message = format!(
-                "the zygote of node {key} (pid {pid}) ended during the call; the node's next call \
-                 loads it again"
-            );
-            out.reply(&End::Lost(message).reply(&request.id, &request.call_id, ""));
-        }
     }
 }

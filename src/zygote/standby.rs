@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::PollFlags;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use pyo3::prelude::*;
@@ -27,11 +27,12 @@ use serde_json::value::RawValue;
 use super::assignment::{self, Assignment, Task};
 use super::child;
 use super::compiled::Nodes;
-use super::flight::{FALLBACK_POLL_MS, Flight, Landed, Landing};
+use super::flight::{Flight, Landed, Landing};
 use crate::containment::Cell;
 use crate::end::End;
 use crate::fds;
 use crate::fds::Claimed;
+use crate::poll_set::PollSet;
 use crate::process::{self, ExitWatch};
 use crate::protocol::{self, Request};
 use fluksio_embed::capture::LogBuffer;
@@ -178,28 +179,13 @@ impl Children {
     pub(super) fn wait_for_input(&mut self, input: BorrowedFd<'_>) -> std::io::Result<()> {
         loop {
             self.reap_landed();
-            let watched = self
-                .landing
-                .iter()
-                .filter(|l| l.exit.fd().is_some())
-                .count();
-            let timeout = if watched == self.landing.len() {
-                PollTimeout::NONE
-            } else {
-                PollTimeout::from(FALLBACK_POLL_MS)
-            };
-            let mut fds = vec![PollFd::new(input, PollFlags::POLLIN)];
-            fds.extend(
-                self.landing
-                    .iter()
-                    .filter_map(|l| l.exit.fd())
-                    .map(|fd| PollFd::new(fd, PollFlags::POLLIN)),
-            );
-            match poll(&mut fds, timeout) {
-                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                Err(error) => return Err(error.into()),
+            let mut set = PollSet::new();
+            let input = set.fd(input, PollFlags::POLLIN);
+            for landing in &self.landing {
+                set.exit(landing.pid, &landing.exit);
             }
-            if fds[0].revents().is_some_and(|r| !r.is_empty()) {
+            set.wait(None)?;
+            if set.ready(input) {
                 return Ok(());
             }
         }

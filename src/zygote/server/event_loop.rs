@@ -10,13 +10,13 @@
 
 use std::os::fd::AsFd;
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::PollFlags;
 use nix::unistd::Pid;
 use pyo3::prelude::*;
 
 use super::{MUST_RESTART, Server};
+use crate::poll_set::{Key, PollSet};
 use crate::zygote::Zygote;
-use crate::zygote::flight::FALLBACK_POLL_MS;
 
 impl Server {
     pub(super) fn serve(&mut self, py: Python<'_>, zygote: &mut Zygote) -> u8 {
@@ -102,118 +102,62 @@ impl Server {
         } else {
             PollFlags::empty()
         };
-        let mut fds = Vec::new();
-        if let Some(listener) = &self.listener {
-            fds.push(PollFd::new(listener.as_fd(), interest));
-        }
-        let first_link = fds.len();
-        for link in &self.links {
-            fds.push(PollFd::new(link.socket.as_fd(), interest));
-        }
+        let mut set = PollSet::new();
+        let listener = (self.listener.as_ref()).map(|listener| set.fd(listener.as_fd(), interest));
+        let links: Vec<Key> = (self.links.iter())
+            .map(|link| set.fd(link.socket.as_fd(), interest))
+            .collect();
         // Each node zygote: its socket, then its exit.
-        let first_relay = fds.len();
-        for relay in &self.node_zygotes {
-            let mut flags = PollFlags::POLLIN;
-            if !relay.outbox.is_empty() {
-                flags |= PollFlags::POLLOUT;
-            }
-            fds.push(PollFd::new(relay.node_zygote.link.as_fd(), flags));
-            match relay.node_zygote.exit.fd() {
-                Some(fd) => fds.push(PollFd::new(fd, PollFlags::POLLIN)),
-                // Without pidfds its socket closing says it ended.
-                None => fds.push(PollFd::new(
-                    relay.node_zygote.link.as_fd(),
-                    PollFlags::empty(),
-                )),
-            }
-        }
-        let first_lane = fds.len();
-        let mut watched_all = true;
-        for (_, exit) in &self.lanes {
-            match exit.fd() {
-                Some(fd) => fds.push(PollFd::new(fd, PollFlags::POLLIN)),
-                None => watched_all = false,
-            }
-        }
-        let first_run = fds.len();
-        let mut owners = Vec::new();
-        for (index, run) in self.runs.iter().enumerate() {
-            match run.flight.exit_poll() {
-                Some(fd) => {
-                    fds.push(fd);
-                    owners.push(index);
+        let relays: Vec<(Key, Key)> = (self.node_zygotes.iter())
+            .map(|relay| {
+                let mut flags = PollFlags::POLLIN;
+                if !relay.outbox.is_empty() {
+                    flags |= PollFlags::POLLOUT;
                 }
-                None => watched_all = false,
-            }
-        }
-        let timeout = match (watched_all, linger) {
-            (true, None) => PollTimeout::NONE,
-            (true, Some(linger)) => {
-                PollTimeout::try_from(linger.as_millis() as u64).unwrap_or(PollTimeout::MAX)
-            }
-            (false, _) => PollTimeout::from(FALLBACK_POLL_MS),
-        };
-        match poll(&mut fds, timeout) {
-            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-            Err(error) => return Err(error.into()),
-        }
-        let is_ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
-        let has =
-            |fd: &PollFd<'_>, flag: PollFlags| fd.revents().is_some_and(|r| r.intersects(flag));
-        let accept = taking_calls && self.listener.is_some() && is_ready(&fds[0]);
+                let node_zygote = &relay.node_zygote;
+                let socket = set.fd(node_zygote.link.as_fd(), flags);
+                (socket, set.exit(node_zygote.pid, &node_zygote.exit))
+            })
+            .collect();
+        let lanes: Vec<Key> = (self.lanes.iter())
+            .map(|(pid, exit)| set.exit(*pid, exit))
+            .collect();
+        let runs: Vec<Key> = (self.runs.iter())
+            .map(|run| run.flight.watch(&mut set).exit)
+            .collect();
+        set.wait(linger)?;
+        let accept = taking_calls && listener.is_some_and(|listener| set.ready(listener));
         // A closed link reads as POLLHUP even when calls are not taken.
-        let links = self
-            .links
-            .iter()
-            .zip(&fds[first_link..first_relay])
-            .filter(|(_, fd)| is_ready(fd))
+        let links = (self.links.iter().zip(links))
+            .filter(|(_, key)| set.ready(*key))
             .map(|(link, _)| link.id)
             .collect();
         let mut relayed = Vec::new();
         let mut writable = Vec::new();
         let mut ended = Vec::new();
-        for (relay, pair) in self
-            .node_zygotes
-            .iter()
-            .zip(fds[first_relay..first_lane].chunks(2))
-        {
+        for (relay, (socket, exit)) in self.node_zygotes.iter().zip(relays) {
             let pid = relay.node_zygote.pid;
-            if has(
-                &pair[0],
+            if set.has(
+                socket,
                 PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR,
             ) {
                 relayed.push(pid);
             }
-            if has(&pair[0], PollFlags::POLLOUT) {
+            if set.has(socket, PollFlags::POLLOUT) {
                 writable.push(pid);
             }
-            if relay.node_zygote.exit.fd().is_some() && is_ready(&pair[1]) {
+            if set.ready(exit) {
                 ended.push(pid);
             }
         }
-        let mut watched = fds[first_lane..first_run].iter();
-        let lanes_ended = self
-            .lanes
-            .iter()
-            .filter(|(pid, exit)| match exit.fd() {
-                Some(_) => watched.next().is_some_and(is_ready),
-                None => crate::process::has_exited(*pid),
-            })
-            .map(|(pid, _)| *pid)
+        let lanes_ended = (self.lanes.iter().zip(lanes))
+            .filter(|(_, key)| set.ready(*key))
+            .map(|((pid, _), _)| *pid)
             .collect();
-        let mut exited: Vec<usize> = owners
-            .iter()
-            .zip(&fds[first_run..])
-            .filter(|(_, fd)| is_ready(fd))
-            .map(|(&i, _)| i)
+        let exited = (runs.into_iter().enumerate())
+            .filter(|(_, key)| set.ready(*key))
+            .map(|(index, _)| index)
             .collect();
-        if !watched_all {
-            exited.extend((0..self.runs.len()).filter(|&i| {
-                self.runs[i].flight.exit_poll().is_none() && self.runs[i].flight.has_exited()
-            }));
-            exited.sort_unstable();
-            exited.dedup();
-        }
         Ok(Ready {
             accept,
             links,
