@@ -1144,3 +1144,39 @@ fn the_worker_contract_still_refuses_numpy_as_the_reference_does() {
         "{ours}"
     );
 }
+
+/// Events, a raised error and an `os._exit` per point.
+const EVENTFUL: &str = "import os\ndef process(x):\n    yield {'half': x / 2}\n    if x % 7 == 3:\n        raise ValueError('three')\n    if x % 7 == 5:\n        os._exit(7)\n    return 'x' * (x * 1000)\n";
+
+/// What comes back from a lane (its lines and how long each call ran,
+/// sent over the link) is what the sweep's own zygote gives.
+#[test]
+fn results_through_lanes_are_those_of_one_zygote() {
+    let dir = scratch("lanes-results");
+    let eventful = node(&dir, "eventful.py", EVENTFUL);
+    let results = |lanes: &str| {
+        let output = sweep(
+            &eventful,
+            &["--grid", "x=0..39", "-j", "4", "--lanes", lanes],
+        );
+        // Some points fail: the sweep says so in its exit code.
+        assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+        let mut lines = lines(&output);
+        lines.sort_by_key(|line| line["index"].as_u64());
+        for line in &mut lines {
+            let took = line
+                .as_object_mut()
+                .unwrap()
+                .remove("duration_ms")
+                .unwrap_or_else(|| panic!("a duration: {line}"));
+            assert!(took.as_f64().is_some_and(|ms| ms > 0.0), "{took}");
+        }
+        lines
+    };
+    let one = results("1");
+    assert_eq!(one.len(), 40);
+    assert_eq!(one[3]["error"]["type"], "ValueError", "{}", one[3]);
+    assert_eq!(one[5]["error"]["type"], "RemoteError", "{}", one[5]);
+    assert_eq!(one[5]["events"][0]["outputs"]["half"], 2.5, "{}", one[5]);
+    assert_eq!(results("2"), one);
+}

@@ -1,7 +1,8 @@
 //! The link: frames over a Unix socket between a process that owns calls
 //! and a zygote that forks them. The one wire between the runtime's
 //! processes: the agent and its zygote, pool slots and their shared zygote,
-//! a zygote and a node's own zygote, a node's zygote and its lanes.
+//! a zygote and a node's own zygote, a node's zygote and its lanes, a
+//! sweep and its lanes.
 //!
 //! The owner may have threads, so it never forks node code; the zygote
 //! does, and hands each run's line pipe and a pidfd of its child to the
@@ -19,6 +20,7 @@ pub mod follow;
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
 
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
@@ -64,6 +66,13 @@ pub enum Frame {
     /// Zygote → a node's own zygote: its calls keep its fork loop busy;
     /// fork a lane of itself (`zygote::server`).
     ForkLane,
+    /// A sweep's lane → the sweep: call `ticket` is over. Its lines came
+    /// before this in `Line` frames, its reply last; it ran this long,
+    /// from its child's start to its reply (the sweep's `duration_ms`).
+    Answered { ticket: u64, took: Duration },
+    /// A zygote → a call's child, down the child's control pipe: the
+    /// call's assignment (`zygote::assignment` encodes its fields).
+    Assign { assignment: Vec<u8> },
     /// A node's own zygote → the zygote: the lane it forked, the lane's end
     /// of a link to be served over, and a pidfd of it (opened by its
     /// parent, so it names the lane even if it has died since).
@@ -86,6 +95,8 @@ const ABANDON: u8 = 9;
 const LOST: u8 = 10;
 const FORK_LANE: u8 = 11;
 const LANE: u8 = 12;
+const ANSWERED: u8 = 13;
+const ASSIGN: u8 = 14;
 
 /// An `Ended` code at or below `-OVER_MEMORY_LIMIT` is a memory-limit kill.
 const OVER_MEMORY_LIMIT: i32 = 1000;
@@ -101,8 +112,13 @@ impl Frame {
             | Frame::Ended { ticket, .. }
             | Frame::Done { ticket }
             | Frame::Abandon { ticket }
+            | Frame::Answered { ticket, .. }
             | Frame::Lost { ticket, .. } => Some(*ticket),
-            Frame::Ready | Frame::Failed { .. } | Frame::ForkLane | Frame::Lane { .. } => None,
+            Frame::Ready
+            | Frame::Failed { .. }
+            | Frame::ForkLane
+            | Frame::Lane { .. }
+            | Frame::Assign { .. } => None,
         }
     }
 
@@ -120,7 +136,7 @@ impl Frame {
     pub fn is_last(&self) -> bool {
         matches!(
             self,
-            Frame::Ended { .. } | Frame::Done { .. } | Frame::Lost { .. }
+            Frame::Ended { .. } | Frame::Done { .. } | Frame::Lost { .. } | Frame::Answered { .. }
         )
     }
 
@@ -134,6 +150,7 @@ impl Frame {
             Frame::Ended { end, logs, .. } => Frame::Ended { ticket, end, logs },
             Frame::Done { .. } => Frame::Done { ticket },
             Frame::Abandon { .. } => Frame::Abandon { ticket },
+            Frame::Answered { took, .. } => Frame::Answered { ticket, took },
             Frame::Lost { message, .. } => Frame::Lost { ticket, message },
             other => other,
         }
@@ -171,8 +188,16 @@ impl Frame {
             }
             Frame::Done { ticket } => (DONE, *ticket, Vec::new()),
             Frame::Abandon { ticket } => (ABANDON, *ticket, Vec::new()),
+            Frame::Answered { ticket, took } => (
+                ANSWERED,
+                *ticket,
+                (took.as_nanos().min(u64::MAX as u128) as u64)
+                    .to_le_bytes()
+                    .to_vec(),
+            ),
             Frame::Lost { ticket, message } => (LOST, *ticket, message.as_bytes().to_vec()),
             Frame::ForkLane => (FORK_LANE, 0, Vec::new()),
+            Frame::Assign { assignment } => (ASSIGN, 0, assignment.clone()),
             Frame::Lane { pid, .. } => (LANE, 0, pid.to_le_bytes().to_vec()),
         };
         let mut bytes = Vec::with_capacity(13 + payload.len());
@@ -242,11 +267,24 @@ impl Frame {
             }
             DONE => Frame::Done { ticket },
             ABANDON => Frame::Abandon { ticket },
+            ANSWERED => Frame::Answered {
+                ticket,
+                took: Duration::from_nanos(u64::from_le_bytes(
+                    payload
+                        .get(..8)
+                        .ok_or("a short frame")?
+                        .try_into()
+                        .expect("8 bytes"),
+                )),
+            },
             LOST => Frame::Lost {
                 ticket,
                 message: String::from_utf8_lossy(payload).into_owned(),
             },
             FORK_LANE => Frame::ForkLane,
+            ASSIGN => Frame::Assign {
+                assignment: payload.to_vec(),
+            },
             LANE => Frame::Lane {
                 pid: number(payload)?,
                 link: fd(fds)?,
@@ -266,11 +304,21 @@ pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
             "a frame over 4 GiB",
         ));
     }
+    send_with_fds(socket, &bytes, &fds)
+}
+
+/// Sends frames encoded with [`Frame::bytes`] (several at once, in one
+/// write where the socket has room), blocking until the socket took them.
+pub fn send_bytes(socket: BorrowedFd<'_>, bytes: &[u8]) -> std::io::Result<()> {
+    send_with_fds(socket, bytes, &[])
+}
+
+fn send_with_fds(socket: BorrowedFd<'_>, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
     let mut sent = 0;
     while sent < bytes.len() {
         // The fds ride with the frame's first bytes only.
         let control = if sent == 0 && !fds.is_empty() {
-            vec![ControlMessage::ScmRights(&fds)]
+            vec![ControlMessage::ScmRights(fds)]
         } else {
             vec![]
         };
@@ -288,6 +336,26 @@ pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Reads one whole frame from a blocking pipe (no fds cross a pipe);
+/// `None` at the pipe's end.
+pub fn read_frame(pipe: BorrowedFd<'_>) -> std::io::Result<Option<Frame>> {
+    use std::io::Read;
+    // SAFETY: the fd stays open for the borrow; ManuallyDrop never closes it.
+    let mut file =
+        std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(pipe.as_raw_fd()) });
+    let mut length = [0u8; 4];
+    match file.read_exact(&mut length) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(error) => return Err(error),
+    }
+    let mut body = vec![0u8; u32::from_le_bytes(length) as usize];
+    file.read_exact(&mut body)?;
+    Frame::decode(&body, &mut VecDeque::new())
+        .map(Some)
+        .map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidData, why))
 }
 
 fn wait_writable(socket: BorrowedFd<'_>) -> std::io::Result<()> {
@@ -468,6 +536,10 @@ mod tests {
                 logs: "é\n".into(),
             },
             Frame::Done { ticket: 8 },
+            Frame::Answered {
+                ticket: 9,
+                took: Duration::from_nanos(1_234_567_891),
+            },
             Frame::ForkLane,
             Frame::Lane {
                 pid: 4321,
@@ -482,7 +554,7 @@ mod tests {
         });
         let mut receiver = Receiver::default();
         let mut got = Vec::new();
-        while got.len() < 8 {
+        while got.len() < 9 {
             match receiver.next_frame().unwrap() {
                 Some(frame) => got.push(frame),
                 None => {
@@ -506,8 +578,12 @@ mod tests {
             matches!(&got[4], Frame::Ended { end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs, .. } if logs == "é\n")
         );
         assert!(matches!(got[5], Frame::Done { ticket: 8 }));
-        assert!(matches!(got[6], Frame::ForkLane));
-        assert!(matches!(got[7], Frame::Lane { pid: 4321, .. }));
+        assert!(matches!(
+            got[6],
+            Frame::Answered { ticket: 9, took } if took.as_nanos() == 1_234_567_891
+        ));
+        assert!(matches!(got[7], Frame::ForkLane));
+        assert!(matches!(got[8], Frame::Lane { pid: 4321, .. }));
     }
 
     #[test]

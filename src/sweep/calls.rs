@@ -79,19 +79,10 @@ pub struct Done {
 
 impl Done {
     /// A call that ended in another process (a lane, `super::lanes`).
-    pub fn from_parts(
-        index: usize,
-        duration: Duration,
-        events: Vec<Vec<u8>>,
-        reply: Vec<u8>,
-    ) -> Done {
+    pub fn answered(index: usize, duration: Duration, answer: Answer) -> Done {
         Done {
             index,
-            answer: Answer {
-                events,
-                reply,
-                replied_at: None,
-            },
+            answer,
             duration,
         }
     }

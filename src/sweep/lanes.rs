@@ -9,10 +9,12 @@
 //! share of the calls with its own standby children. The sweep itself only
 //! hands out call indices and writes the results as they come back.
 //!
-//! The wire, over a socket pair per lane: the sweep sends call indices
-//! (`u64`, little-endian) and shuts its side down when none are left; a
-//! lane sends each ended call back as `[u32 length][u64 index][u64
-//! nanoseconds][u32 events]([u32 length][event])*[u32 length][reply]`.
+//! The wire, over a socket pair per lane, is the link's (`crate::link`):
+//! the sweep sends a `Call` frame per point, its ticket the point's index
+//! and no request (the lane was forked with the points), and shuts its
+//! side down when none are left; a lane sends each ended call back as its
+//! lines in `Line` frames, its reply last, then `Answered` with how long
+//! it ran.
 //!
 //! A lane dies with the sweep (a parent-death SIGKILL; the sweep's warden
 //! ends its cells). Stopped (Ctrl-C, a closed output), the sweep sends each
@@ -24,17 +26,19 @@
 //! and killed there, and a call it ended comes back as any other, its reply
 //! a `NodeTimeout` failure.
 
-use std::collections::{BTreeSet, VecDeque};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::Duration;
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use pyo3::prelude::*;
 
-use super::calls::{Calls, Done, Node};
+use super::calls::{Answer, Calls, Done, Node};
 use super::points::Points;
 use super::signals;
 use crate::fds::Claimed;
+use crate::link::{self, Frame, Received, Receiver};
+use crate::output::CallOutput;
 use crate::zygote::Zygote;
 use crate::zygote::app::{self, NodeZygote};
 use crate::zygote::node::NodeKey;
@@ -59,8 +63,9 @@ pub fn shape(jobs: usize, lanes: Option<usize>) -> (usize, usize) {
 /// The sweep's side of one lane.
 struct Lane {
     lane: NodeZygote,
-    /// Bytes of results not yet whole.
-    inbox: Vec<u8>,
+    receiver: Receiver,
+    /// The lines of calls not yet answered, by index.
+    answers: HashMap<usize, Answer>,
     /// Indices handed out whose results have not come back.
     outstanding: BTreeSet<usize>,
     /// Its share of the indices is handed out: its socket is shut for writing.
@@ -97,7 +102,8 @@ impl Lanes {
             crate::fds::set_nonblocking(lane.raw_link());
             lanes.push(Lane {
                 lane,
-                inbox: Vec::new(),
+                receiver: Receiver::default(),
+                answers: HashMap::new(),
                 outstanding: BTreeSet::new(),
                 closed: false,
             });
@@ -122,7 +128,11 @@ impl Lanes {
             else {
                 break;
             };
-            write_all(lane.lane.raw_link(), &(*next as u64).to_le_bytes())
+            let call = Frame::Call {
+                ticket: *next as u64,
+                request: Vec::new(),
+            };
+            link::send_bytes(lane.lane.link.as_fd(), &call.bytes())
                 .map_err(|e| format!("a lane (pid {}) is gone: {e}", lane.lane.pid))?;
             lane.outstanding.insert(*next);
             *next += 1;
@@ -161,11 +171,7 @@ impl Lanes {
             if !ready {
                 continue;
             }
-            let ended = read_available(lane.lane.raw_link(), &mut lane.inbox);
-            while let Some(result) = take_result(&mut lane.inbox) {
-                lane.outstanding.remove(&result.index);
-                done.push(result);
-            }
+            let ended = lane.read(&mut done)?;
             if ended && !lane.outstanding.is_empty() {
                 return Err(format!(
                     "a lane (pid {}) ended with {} calls unfinished",
@@ -215,7 +221,7 @@ fn serve(
     crate::fds::set_nonblocking(link.as_raw_fd());
     let mut calls = Calls::new(zygote, node);
     calls.set_timeout(timeout);
-    let mut inbox = Vec::new();
+    let mut receiver = Receiver::default();
     let mut queue: VecDeque<usize> = VecDeque::new();
     let mut no_more = false;
     let mut readable = true;
@@ -225,12 +231,12 @@ fn serve(
             return 0;
         }
         if readable && !no_more {
-            no_more = read_available(link.as_raw_fd(), &mut inbox);
-            let whole = inbox.len() / 8 * 8;
-            for index in inbox[..whole].chunks_exact(8) {
-                queue.push_back(u64::from_le_bytes(index.try_into().expect("8 bytes")) as usize);
+            no_more = receive_all(&mut receiver, link.as_fd());
+            while let Ok(Some(frame)) = receiver.next_frame() {
+                if let Frame::Call { ticket, .. } = frame {
+                    queue.push_back(ticket as usize);
+                }
             }
-            inbox.drain(..whole);
         }
         while calls.in_flight() < jobs {
             let Some(index) = queue.pop_front() else {
@@ -261,7 +267,7 @@ fn serve(
             }
         };
         for done in &finished {
-            if write_all(link.as_raw_fd(), &encode(done)).is_err() {
+            if crate::link::send_bytes(link.as_fd(), &encode(done)).is_err() {
                 // The sweep is gone: so are these calls.
                 calls.kill_all();
                 return 1;
@@ -270,89 +276,68 @@ fn serve(
     }
 }
 
+/// A call that ended, as the frames that tell the sweep: its lines (as
+/// they cross the link, without their newline), then how long it ran.
 fn encode(done: &Done) -> Vec<u8> {
-    let mut body = Vec::new();
-    body.extend_from_slice(&(done.index as u64).to_le_bytes());
-    body.extend_from_slice(&(done.duration.as_nanos() as u64).to_le_bytes());
-    body.extend_from_slice(&(done.answer.events.len() as u32).to_le_bytes());
-    for event in &done.answer.events {
-        body.extend_from_slice(&(event.len() as u32).to_le_bytes());
-        body.extend_from_slice(event);
+    let ticket = done.index as u64;
+    let answer = &done.answer;
+    let mut bytes = Vec::new();
+    for line in answer.events.iter().chain([&answer.reply]) {
+        let line = line.strip_suffix(b"\n").unwrap_or(line).to_vec();
+        bytes.extend(Frame::Line { ticket, line }.bytes());
     }
-    body.extend_from_slice(&(done.answer.reply.len() as u32).to_le_bytes());
-    body.extend_from_slice(&done.answer.reply);
-    let mut message = (body.len() as u32).to_le_bytes().to_vec();
-    message.append(&mut body);
-    message
+    let took = done.duration;
+    bytes.extend(Frame::Answered { ticket, took }.bytes());
+    bytes
 }
 
-/// The next whole result in `inbox`, taken out of it.
-fn take_result(inbox: &mut Vec<u8>) -> Option<Done> {
-    let length = u32::from_le_bytes(inbox.get(..4)?.try_into().ok()?) as usize;
-    let body = inbox.get(4..4 + length)?;
-    let mut at = 0;
-    let mut take = |n: usize| {
-        let piece = &body[at..at + n];
-        at += n;
-        piece
-    };
-    let u32_at = |bytes: &[u8]| u32::from_le_bytes(bytes.try_into().expect("4 bytes")) as usize;
-    let index = u64::from_le_bytes(take(8).try_into().expect("8 bytes")) as usize;
-    let nanos = u64::from_le_bytes(take(8).try_into().expect("8 bytes"));
-    let count = u32_at(take(4));
-    let mut events = Vec::with_capacity(count);
-    for _ in 0..count {
-        let len = u32_at(take(4));
-        events.push(take(len).to_vec());
-    }
-    let len = u32_at(take(4));
-    let reply = take(len).to_vec();
-    inbox.drain(..4 + length);
-    Some(Done::from_parts(
-        index,
-        Duration::from_nanos(nanos),
-        events,
-        reply,
-    ))
-}
-
-/// Reads what the socket holds now into `inbox`; true at end of file.
-fn read_available(fd: RawFd, inbox: &mut Vec<u8>) -> bool {
-    let mut chunk = [0u8; 64 * 1024];
-    loop {
-        match nix::unistd::read(unsafe_borrow(fd), &mut chunk) {
-            Ok(0) => return true,
-            Ok(n) => inbox.extend_from_slice(&chunk[..n]),
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(nix::errno::Errno::EAGAIN) => return false,
-            Err(_) => return true,
-        }
-    }
-}
-
-/// Writes all of `bytes` to a non-blocking socket, waiting while it is full.
-fn write_all(fd: RawFd, mut bytes: &[u8]) -> std::io::Result<()> {
-    while !bytes.is_empty() {
-        match nix::sys::socket::send(fd, bytes, nix::sys::socket::MsgFlags::MSG_NOSIGNAL) {
-            Ok(n) => bytes = &bytes[n..],
-            Err(nix::errno::Errno::EINTR) => {}
-            Err(nix::errno::Errno::EAGAIN) => {
-                let mut fds = [PollFd::new(unsafe_borrow(fd), PollFlags::POLLOUT)];
-                let _ = poll(&mut fds, PollTimeout::from(WAKE_MS));
+impl Lane {
+    /// Reads what the lane sent; the calls it answered go to `done`. True
+    /// once it closed its link.
+    fn read(&mut self, done: &mut Vec<Done>) -> Result<bool, String> {
+        let ended = receive_all(&mut self.receiver, self.lane.link.as_fd());
+        loop {
+            let frame = match self.receiver.next_frame() {
+                Ok(Some(frame)) => frame,
+                Ok(None) => return Ok(ended),
+                Err(error) => {
+                    return Err(format!("a lane (pid {}) sent {error}", self.lane.pid));
+                }
+            };
+            match frame {
+                Frame::Line { ticket, mut line } => {
+                    line.push(b'\n');
+                    let answer = self.answers.entry(ticket as usize).or_default();
+                    if crate::protocol::is_event(&line) {
+                        answer.event(&line);
+                    } else {
+                        answer.reply(&line);
+                    }
+                }
+                Frame::Answered { ticket, took } => {
+                    let index = ticket as usize;
+                    let answer = self.answers.remove(&index).unwrap_or_default();
+                    self.outstanding.remove(&index);
+                    done.push(Done::answered(index, took, answer));
+                }
+                other => tracing::warn!("unexpected from a lane: {other:?}"),
             }
-            Err(e) => return Err(e.into()),
         }
     }
-    Ok(())
+}
+
+/// Reads what the (nonblocking) socket holds now; true once it closed.
+fn receive_all(receiver: &mut Receiver, link: BorrowedFd<'_>) -> bool {
+    loop {
+        match receiver.receive(link) {
+            Ok(Received::Data) => {}
+            Ok(Received::WouldBlock) => return false,
+            Ok(Received::Closed) | Err(_) => return true,
+        }
+    }
 }
 
 /// Whether a lane exited within `limit`.
 fn wait_exit(lane: &NodeZygote, limit: Duration) -> bool {
     crate::poll_set::wait_exit(lane.pid, &lane.exit, limit)
-}
-
-fn unsafe_borrow<'a>(fd: RawFd) -> BorrowedFd<'a> {
-    // SAFETY: every fd passed here is a lane socket owned by a value that
-    // outlives the call.
-    unsafe { BorrowedFd::borrow_raw(fd) }
 }

@@ -3,13 +3,13 @@
 //! once the child stands by, and the eventfd that wakes it for it. Also the
 //! exit codes a trial's child answers with.
 
-use std::io::Read;
 use std::os::fd::{FromRawFd, RawFd};
 
 use pyo3::prelude::*;
 
 use super::channel;
 use super::node::NodeKey;
+use crate::link::Frame;
 
 /// How a trial ended, told by its exit code once its reply is sent: the
 /// code is ours to choose there, and needs no second channel.
@@ -223,18 +223,17 @@ pub fn wait_for_call(go: &impl std::os::fd::AsRawFd) {
     }
 }
 
-/// Writes `assignment` down a child's control pipe, length first: a
-/// resident child reads one assignment after another from the same pipe.
-/// Closing the pipe ends the child.
+/// Writes `assignment` down a child's control pipe, in an `Assign` frame
+/// of the link's: a resident child reads one assignment after another from
+/// the same pipe. Closing the pipe ends the child.
 pub fn send_assignment(
     control: &impl std::os::fd::AsRawFd,
     assignment: &Assignment,
 ) -> std::io::Result<()> {
-    let body = assignment.encode();
-    let mut frame = Vec::with_capacity(8 + body.len());
-    frame.extend_from_slice(&(body.len() as u64).to_le_bytes());
-    frame.extend_from_slice(&body);
-    channel::write_all(control.as_raw_fd(), &frame)
+    let frame = Frame::Assign {
+        assignment: assignment.encode(),
+    };
+    channel::write_all(control.as_raw_fd(), &frame.bytes())
 }
 
 /// A child waiting for its assignment; exits quietly if none comes (the
@@ -249,15 +248,15 @@ pub fn receive(control: RawFd) -> Assignment {
 /// The next assignment on `control`; `None` once the zygote closed it (a
 /// resident retired). A garbled one ends the child.
 pub fn next_assignment(control: RawFd) -> Option<Assignment> {
-    // SAFETY: the control pipe's read end is this child's alone.
-    let mut file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(control) });
-    let mut length = [0u8; 8];
-    file.read_exact(&mut length).ok()?;
-    let mut bytes = vec![0u8; u64::from_le_bytes(length) as usize];
-    file.read_exact(&mut bytes).ok()?;
-    match Assignment::decode(&bytes) {
-        Some(assignment) => Some(assignment),
-        None => crate::process::exit_now(1),
+    // SAFETY: the control pipe's read end is this child's, open while it reads.
+    let control = unsafe { std::os::fd::BorrowedFd::borrow_raw(control) };
+    // A pipe cut short is a zygote gone: as good as closed.
+    match crate::link::read_frame(control).ok()?? {
+        Frame::Assign { assignment } => match Assignment::decode(&assignment) {
+            Some(assignment) => Some(assignment),
+            None => crate::process::exit_now(1),
+        },
+        _ => crate::process::exit_now(1),
     }
 }
 
