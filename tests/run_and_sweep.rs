@@ -863,6 +863,50 @@ fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
     }
 }
 
+/// `--max-calls-per-child` holds in a sweep as in the worker: each resident
+/// serves at most that many calls, then a fresh fork replaces it; and every
+/// resident is gone when the sweep ends.
+#[test]
+fn a_sweep_under_isolation_node_replaces_a_resident_after_its_calls() {
+    let dir = scratch("sweep-in-turn-max");
+    let counter = node(
+        &dir,
+        "counter.py",
+        "import os\nCALLS = []\ndef process(x):\n    CALLS.append(x)\n    return [os.getpid(), len(CALLS)]\n",
+    );
+    let output = sweep(
+        &counter,
+        &[
+            "--grid",
+            "x=0..59",
+            "-j",
+            "2",
+            "--isolation",
+            "node",
+            "--max-calls-per-child",
+            "7",
+        ],
+    );
+    let lines = lines_of(&output);
+    assert_eq!(lines.len(), 60);
+    let mut by_child: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
+    for line in &lines {
+        let result = &line["result"];
+        by_child
+            .entry(result[0].as_i64().unwrap())
+            .or_default()
+            .push(result[1].as_i64().unwrap());
+    }
+    assert!(by_child.len() >= 60 / 7, "{by_child:?}");
+    for (pid, counts) in &mut by_child {
+        counts.sort_unstable();
+        let expected: Vec<i64> = (1..=counts.len() as i64).collect();
+        assert_eq!(*counts, expected, "each child counted its own calls");
+        assert!(counts.len() <= 7, "{pid} served {} calls", counts.len());
+        assert!(common::is_gone(*pid as i32), "{pid} outlived the sweep");
+    }
+}
+
 /// A node whose call `x == 2` starts `sleep 3600` (its pid written to
 /// `sleeper`), prints, and hangs; every call returns `[pid, calls this
 /// process served, whether the sleeper is gone]`, the last waited for

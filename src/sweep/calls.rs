@@ -11,11 +11,11 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::end::End;
-use crate::fds::Claimed;
 use crate::output::CallOutput;
 use crate::poll_set::PollSet;
 use crate::protocol::{Op, Request};
 use crate::zygote::flight::{Flight, Watched};
+use crate::zygote::resident::Resident;
 use crate::zygote::{SpawnError, Zygote};
 
 /// How long a wait may block: a signal that lands between checking for it
@@ -90,13 +90,43 @@ impl Done {
 
 struct Running {
     index: usize,
-    flight: Flight,
+    child: Child,
     answer: Answer,
     /// Its start and end log lines (`crate::telemetry`).
     log: crate::telemetry::CallLog,
-    /// `--isolation node`: the resident child's control pipe; the child
-    /// serves the next call once this one has replied.
-    control: Option<Claimed>,
+}
+
+/// What serves a call in flight.
+enum Child {
+    /// A fresh child, for this call alone.
+    Fresh(Flight),
+    /// `--isolation node`: a resident child of the node's, which serves a
+    /// later call once this one has replied (`crate::zygote::resident`).
+    Resident(Resident),
+}
+
+impl Child {
+    fn flight(&self) -> &Flight {
+        match self {
+            Child::Fresh(flight) => flight,
+            Child::Resident(resident) => resident.flight(),
+        }
+    }
+
+    fn flight_mut(&mut self) -> &mut Flight {
+        match self {
+            Child::Fresh(flight) => flight,
+            Child::Resident(resident) => resident.flight_mut(),
+        }
+    }
+
+    /// Its flight, to land: a resident serves no call after this.
+    fn into_flight(self) -> Flight {
+        match self {
+            Child::Fresh(flight) => flight,
+            Child::Resident(resident) => resident.into_flight(),
+        }
+    }
 }
 
 /// How a call in flight ended this step.
@@ -110,12 +140,6 @@ enum Step {
     Overdue,
 }
 
-/// A resident child between two calls.
-struct Idle {
-    flight: Flight,
-    control: Claimed,
-}
-
 /// The calls in flight.
 pub struct Calls<'a> {
     zygote: &'a mut Zygote,
@@ -124,7 +148,6 @@ pub struct Calls<'a> {
     /// `--isolation node`: each call runs in a resident child, which serves
     /// the calls after it in turn, its module state kept.
     in_turn: bool,
-    idle: Vec<Idle>,
     /// `--timeout`: a call still running this long after it started is
     /// ended, with everything it started (`NodeTimeout`).
     timeout: Option<Duration>,
@@ -138,7 +161,6 @@ impl<'a> Calls<'a> {
             node,
             running: Vec::new(),
             in_turn,
-            idle: Vec::new(),
             timeout: None,
         }
     }
@@ -160,26 +182,15 @@ impl<'a> Calls<'a> {
         kwargs: &Map<String, Value>,
     ) -> Result<(), String> {
         let request = self.node.request(Op::Run, &index.to_string(), Some(kwargs));
-        let started = if !self.in_turn {
+        let started = if self.in_turn {
             self.zygote
-                .start_run(py, &request)
-                .map(|flight| (flight, None))
-        } else if let Some(Idle {
-            mut flight,
-            control,
-        }) = self.idle.pop()
-        {
-            // A child that died since its last reply is found out by
-            // following it: its flight says how it ended.
-            let _ = self.zygote.next_in_turn(&control, &mut flight, &request);
-            Ok((flight, Some(control)))
+                .start_resident(py, &request)
+                .map(Child::Resident)
         } else {
-            self.zygote
-                .start_in_turn(py, &request)
-                .map(|(flight, control)| (flight, Some(control)))
+            self.zygote.start_run(py, &request).map(Child::Fresh)
         };
-        let (flight, control) = match started {
-            Ok(started) => started,
+        let child = match started {
+            Ok(child) => child,
             Err(SpawnError::Io(error)) => return Err(format!("could not fork a call: {error}")),
             Err(SpawnError::Unsafe | SpawnError::NotCompiled) => {
                 return Err("the zygote can no longer fork safely".into());
@@ -192,10 +203,9 @@ impl<'a> Calls<'a> {
         );
         self.running.push(Running {
             index,
-            flight,
+            child,
             answer: Answer::default(),
             log,
-            control,
         });
         Ok(())
     }
@@ -226,14 +236,16 @@ impl<'a> Calls<'a> {
         let (readable, exited, also_ready) = self.wait(also)?;
         for &i in &readable {
             let call = &mut self.running[i];
-            call.flight.read(&mut call.answer);
+            call.child.flight_mut().read(&mut call.answer);
         }
         // A resident that replied serves the next call; one that exited
         // is landed as any call.
         let replied: Vec<usize> = (0..self.running.len())
             .filter(|&i| {
                 let call = &self.running[i];
-                call.control.is_some() && call.answer.replied_at.is_some() && !exited.contains(&i)
+                matches!(call.child, Child::Resident(_))
+                    && call.answer.replied_at.is_some()
+                    && !exited.contains(&i)
             })
             .collect();
         // Past `--timeout` with no reply: killed with its session here, its
@@ -249,7 +261,7 @@ impl<'a> Calls<'a> {
             })
             .collect();
         for &i in &overdue {
-            crate::process::kill_group(self.running[i].flight.pid, Signal::SIGKILL);
+            crate::process::kill_group(self.running[i].child.flight().pid, Signal::SIGKILL);
         }
         let mut ended: Vec<(usize, Step)> = exited
             .iter()
@@ -274,7 +286,8 @@ impl<'a> Calls<'a> {
 
     /// When `call` is to be ended, under `--timeout`.
     fn deadline(&self, call: &Running) -> Option<Instant> {
-        self.timeout.map(|timeout| call.flight.started + timeout)
+        self.timeout
+            .map(|timeout| call.child.flight().started + timeout)
     }
 
     /// A resident's call has replied: the call is done, the child waits
@@ -282,17 +295,15 @@ impl<'a> Calls<'a> {
     fn between(&mut self, call: Running) -> Done {
         let Running {
             index,
-            flight,
+            child,
             answer,
             log,
-            control,
         } = call;
         log.end(Some(&answer.reply));
-        let duration = answer.replied_at.unwrap_or_else(Instant::now) - flight.started;
-        self.idle.push(Idle {
-            flight,
-            control: control.expect("a resident's call"),
-        });
+        let duration = answer.replied_at.unwrap_or_else(Instant::now) - child.flight().started;
+        if let Child::Resident(resident) = child {
+            self.zygote.keep_resident(resident);
+        }
         Done {
             index,
             answer,
@@ -305,13 +316,12 @@ impl<'a> Calls<'a> {
     fn land(&mut self, call: Running, overdue: bool) -> Result<Done, String> {
         let Running {
             index,
-            flight,
+            child,
             mut answer,
             log,
-            control,
         } = call;
         // A resident's pipe closed: it is retired with its flight.
-        drop(control);
+        let flight = child.into_flight();
         let started = flight.started;
         let too_large = flight.too_large();
         let landed = flight
@@ -343,26 +353,11 @@ impl<'a> Calls<'a> {
     /// reaped. Returns their indices.
     pub fn kill_all(&mut self) -> Vec<usize> {
         for call in &self.running {
-            crate::process::kill_group(call.flight.pid, Signal::SIGKILL);
+            crate::process::kill_group(call.child.flight().pid, Signal::SIGKILL);
         }
         // Residents between calls: their pipes closed, so they write out
         // what they hold and exit; then their cells killed.
-        let flights: Vec<Flight> = self
-            .idle
-            .drain(..)
-            .map(|Idle { flight, control }| {
-                drop(control);
-                flight
-            })
-            .collect();
-        for flight in flights {
-            flight.wait_exit(crate::zygote::resident::RETIRE_WITHIN);
-            crate::process::kill_group(flight.pid, Signal::SIGKILL);
-            let mut discard = Answer::default();
-            if let Ok(landed) = flight.land(&mut discard) {
-                self.zygote.recycle(landed.logs);
-            }
-        }
+        self.zygote.retire_residents();
         let mut ended = Vec::new();
         while let Some(call) = self.running.pop() {
             ended.push(call.index);
@@ -384,7 +379,7 @@ impl<'a> Calls<'a> {
         let watched: Vec<Watched> = self
             .running
             .iter()
-            .map(|call| call.flight.watch(&mut set))
+            .map(|call| call.child.flight().watch(&mut set))
             .collect();
         // Awake for the nearest `--timeout`.
         let now = Instant::now();

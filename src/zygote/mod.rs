@@ -332,18 +332,29 @@ impl Zygote {
             .map(|(flight, _)| flight)
     }
 
-    /// `--isolation node` for `sweep`: forks a resident child for a run of
-    /// a node compiled here and hands it the run; its later runs go down
-    /// the control pipe returned ([`Zygote::next_in_turn`]).
-    pub fn start_in_turn(
+    /// `--isolation node` for `sweep`: a run of a node compiled here in a
+    /// resident child of the node's, an idle one or one forked for it. The
+    /// caller follows its flight, and once it has replied gives it back
+    /// ([`Zygote::keep_resident`]) or, ended, lands it.
+    pub fn start_resident(
         &mut self,
         py: Python<'_>,
         request: &Request,
-    ) -> Result<(Flight, crate::fds::Claimed), SpawnError> {
+    ) -> Result<resident::Resident, SpawnError> {
         let assignment = self.compiled_assignment(request, Task::Resident)?;
         self.runner
-            .dispatch(py, &self.nodes, &assignment, None, true)
-            .map(|(flight, control)| (flight, control.expect("kept")))
+            .resident(py, &self.nodes, &assignment, None)
+            .map(|(resident, _)| resident)
+    }
+
+    /// A resident whose run replied: it waits for its node's next run.
+    pub fn keep_resident(&mut self, resident: resident::Resident) {
+        self.runner.keep_resident(resident);
+    }
+
+    /// Ends the idle residents (a stopped sweep).
+    pub fn retire_residents(&mut self) {
+        self.runner.retire_residents();
     }
 
     /// `task` for `request`, whose node must be compiled here.
@@ -352,23 +363,6 @@ impl Zygote {
             .compiled_digest(request)
             .ok_or(SpawnError::NotCompiled)?;
         Ok(Assignment::for_request(request, task, &digest))
-    }
-
-    /// Hands a resident child ([`Zygote::start_in_turn`]) its next run.
-    pub fn next_in_turn(
-        &self,
-        control: &crate::fds::Claimed,
-        flight: &mut Flight,
-        request: &Request,
-    ) -> std::io::Result<()> {
-        let digest = self
-            .compiled_digest(request)
-            .unwrap_or_else(|| node::source_digest(&request.source));
-        flight.rearm();
-        assignment::send_assignment(
-            control,
-            &Assignment::for_request(request, Task::Resident, &digest),
-        )
     }
 
     /// The digest of the source the request's node was compiled from here.

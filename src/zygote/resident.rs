@@ -5,7 +5,8 @@
 //! a fork per call costs a millisecond. Where a flow wants that speed (and
 //! the module state kept between calls that comes with it), a node's first
 //! run forks a *resident* child from the zygote, and its later runs are
-//! written down the same control pipe. It is replaced by a fresh fork,
+//! written down the same control pipe (a sweep keeps one per call in
+//! flight, the same way). It is replaced by a fresh fork,
 //! never a cold start, after it crashes or exits, when its node's source
 //! changes, or after `--max-calls-per-child` calls. It is contained like any
 //! call (its cell, its session): what one of its calls leaves running lives
@@ -33,22 +34,24 @@ pub enum Isolation {
     Node,
 }
 
-/// A node's resident child, between calls.
-pub(super) struct Resident {
+/// A node's resident child: serving a call, or between calls.
+pub struct Resident {
     flight: Flight,
     /// Where its next call is written; closing it retires the child.
     control: Claimed,
+    key: NodeKey,
     digest: String,
     calls: u64,
 }
 
 impl Resident {
-    /// A resident just forked for a call of source `digest`, which it was
-    /// handed with its control pipe.
-    pub(super) fn new(flight: Flight, control: Claimed, digest: &str) -> Resident {
+    /// A resident just forked for a call of node `key`'s source `digest`,
+    /// which it was handed with its control pipe.
+    pub(super) fn new(flight: Flight, control: Claimed, key: &NodeKey, digest: &str) -> Resident {
         Resident {
             flight,
             control,
+            key: key.clone(),
             digest: digest.to_string(),
             calls: 0,
         }
@@ -61,20 +64,36 @@ impl Resident {
         self.flight.rearm();
     }
 
-    pub(super) fn flight(&mut self) -> &mut Flight {
+    /// Its child, followed as any call's.
+    pub fn flight(&self) -> &Flight {
+        &self.flight
+    }
+
+    pub fn flight_mut(&mut self) -> &mut Flight {
         &mut self.flight
     }
 
     /// Its flight, its control pipe closed: it serves no call after this.
-    pub(super) fn into_flight(self) -> Flight {
+    pub fn into_flight(self) -> Flight {
         drop(self.control);
         self.flight
     }
+
+    /// Ends it: its pipe closed, so it writes out what it holds and exits
+    /// (within the flush's deadline); then its flight to `land` (its cell
+    /// killed, and it reaped later).
+    fn retire(self, land: &mut impl FnMut(Flight)) {
+        let flight = self.into_flight();
+        flight.wait_exit(RETIRE_WITHIN);
+        land(flight);
+    }
 }
 
-/// `--isolation node`: each node's resident child, between its calls.
+/// `--isolation node`: each node's resident children between their calls
+/// (one for the worker, which serves a call at a time; one per call in
+/// flight for a sweep).
 pub(super) struct Residents {
-    residents: HashMap<NodeKey, Resident>,
+    idle: HashMap<NodeKey, Vec<Resident>>,
     /// Calls one serves before a fresh fork replaces it.
     max_calls: Option<u64>,
 }
@@ -82,55 +101,50 @@ pub(super) struct Residents {
 impl Residents {
     pub(super) fn new(max_calls: Option<u64>) -> Residents {
         Residents {
-            residents: HashMap::new(),
+            idle: HashMap::new(),
             max_calls,
         }
     }
 
-    /// Node `key`'s resident for a call of source `digest`, taken out
-    /// until its call is served; one of another source is retired (its
-    /// flight to `land`).
+    /// An idle resident of node `key` for a call of source `digest`, taken
+    /// out until its call is served; those of another source are retired
+    /// (their flights to `land`).
     pub(super) fn take(
         &mut self,
         key: &NodeKey,
         digest: &str,
-        land: impl FnMut(Flight),
+        mut land: impl FnMut(Flight),
     ) -> Option<Resident> {
-        if self
-            .residents
-            .get(key)
-            .is_some_and(|resident| resident.digest != digest)
-        {
-            self.retire(key, land);
+        let idle = self.idle.get_mut(key)?;
+        if idle.iter().any(|resident| resident.digest != digest) {
+            self.retire(key, &mut land);
+            return None;
         }
-        self.residents.remove(key)
+        idle.pop()
     }
 
     /// Puts back a resident that has replied to one more call; retired
     /// (its flight to `land`) once it has served its last.
-    pub(super) fn keep(&mut self, key: &NodeKey, mut resident: Resident, land: impl FnMut(Flight)) {
+    pub(super) fn keep(&mut self, mut resident: Resident, mut land: impl FnMut(Flight)) {
         resident.calls += 1;
-        let spent = self.max_calls.is_some_and(|max| resident.calls >= max);
-        self.residents.insert(key.clone(), resident);
-        if spent {
-            self.retire(key, land);
+        if self.max_calls.is_some_and(|max| resident.calls >= max) {
+            resident.retire(&mut land);
+        } else {
+            let key = resident.key.clone();
+            self.idle.entry(key).or_default().push(resident);
         }
     }
 
-    /// Ends a node's resident child, if it has one: its pipe closed, so it
-    /// writes out what it holds and exits (within the flush's deadline),
-    /// then its flight to `land` (its cell killed, and it reaped later).
-    pub(super) fn retire(&mut self, key: &NodeKey, mut land: impl FnMut(Flight)) {
-        if let Some(resident) = self.residents.remove(key) {
-            drop(resident.control);
-            resident.flight.wait_exit(RETIRE_WITHIN);
-            land(resident.flight);
+    /// Ends a node's idle residents.
+    pub(super) fn retire(&mut self, key: &NodeKey, land: &mut impl FnMut(Flight)) {
+        for resident in self.idle.remove(key).unwrap_or_default() {
+            resident.retire(land);
         }
     }
 
-    /// Ends every resident child.
+    /// Ends every idle resident.
     pub(super) fn retire_all(&mut self, mut land: impl FnMut(Flight)) {
-        let keys: Vec<NodeKey> = self.residents.keys().cloned().collect();
+        let keys: Vec<NodeKey> = self.idle.keys().cloned().collect();
         for key in keys {
             self.retire(&key, &mut land);
         }
@@ -140,7 +154,7 @@ impl Residents {
     /// parent's. Forgotten, never dropped (dropping one would kill its
     /// parent's child).
     pub(super) fn forget_inherited(&mut self) {
-        std::mem::forget(std::mem::take(&mut self.residents));
+        std::mem::forget(std::mem::take(&mut self.idle));
     }
 }
 

@@ -183,6 +183,49 @@ impl Runner {
         }
     }
 
+    /// Node `assignment.key`'s resident for `assignment`: an idle one
+    /// handed it, or one forked for it (then true: the caller forks the
+    /// next standby once it can).
+    pub(super) fn resident(
+        &mut self,
+        py: Python<'_>,
+        nodes: &Nodes,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+    ) -> Result<(Resident, bool), SpawnError> {
+        let children = &mut self.children;
+        let idle = self
+            .residents
+            .take(&assignment.key, &assignment.digest, |flight| {
+                children.land_later(flight)
+            });
+        if let Some(mut resident) = idle {
+            if let Some(logs) = logs_so_far {
+                self.children.recycle(logs);
+            }
+            resident.hand(assignment);
+            return Ok((resident, false));
+        }
+        let (flight, control) = self.dispatch(py, nodes, assignment, logs_so_far, true)?;
+        let control = control.expect("kept");
+        let resident = Resident::new(flight, control, &assignment.key, &assignment.digest);
+        Ok((resident, true))
+    }
+
+    /// A resident whose call replied: it waits for its node's next call.
+    pub(super) fn keep_resident(&mut self, resident: Resident) {
+        let children = &mut self.children;
+        self.residents
+            .keep(resident, |flight| children.land_later(flight));
+    }
+
+    /// Ends the idle residents.
+    pub(super) fn retire_residents(&mut self) {
+        let children = &mut self.children;
+        self.residents
+            .retire_all(|flight| children.land_later(flight));
+    }
+
     /// Serves a run in the node's resident child, forking one if there is
     /// none (or its source changed).
     pub(super) fn run_in_turn(
@@ -194,41 +237,22 @@ impl Runner {
         out: &mut dyn CallOutput,
     ) -> Result<(), Stop> {
         let _held = assignment.held();
-        let key = &assignment.key;
-        let children = &mut self.children;
-        let taken = self.residents.take(key, &assignment.digest, |flight| {
-            children.land_later(flight)
-        });
-        let mut resident = match taken {
-            Some(mut resident) => {
-                if let Some(logs) = logs_so_far {
-                    self.children.recycle(logs);
-                }
-                resident.hand(assignment);
-                out.started(resident.flight().pid);
-                resident
+        let (mut resident, forked) = match self.resident(py, nodes, assignment, logs_so_far) {
+            Ok(started) => started,
+            Err(SpawnError::Io(error)) => {
+                let message = format!("could not start the node's process: {error}");
+                out.reply(&assignment.lost(message));
+                return Err(Stop::Answered);
             }
-            None => {
-                let (flight, control) =
-                    match self.dispatch(py, nodes, assignment, logs_so_far, true) {
-                        Ok(started) => started,
-                        Err(SpawnError::Io(error)) => {
-                            let message = format!("could not start the node's process: {error}");
-                            out.reply(&assignment.lost(message));
-                            return Err(Stop::Answered);
-                        }
-                        Err(_) => return Err(Stop::Recover),
-                    };
-                out.started(flight.pid);
-                self.replenish(py, nodes);
-                Resident::new(flight, control.expect("kept"), &assignment.digest)
-            }
+            Err(_) => return Err(Stop::Recover),
         };
-        match resident.flight().follow_to_reply(out) {
+        out.started(resident.flight().pid);
+        if forked {
+            self.replenish(py, nodes);
+        }
+        match resident.flight_mut().follow_to_reply(out) {
             Ok(true) => {
-                let children = &mut self.children;
-                self.residents
-                    .keep(key, resident, |flight| children.land_later(flight));
+                self.keep_resident(resident);
                 Ok(())
             }
             Ok(false) => self
@@ -291,9 +315,7 @@ impl Runner {
     /// Ends every child still around: the residents, the standby, and
     /// calls being reaped.
     pub(super) fn shutdown(&mut self) {
-        let children = &mut self.children;
-        self.residents
-            .retire_all(|flight| children.land_later(flight));
+        self.retire_residents();
         self.children.shutdown();
     }
 
