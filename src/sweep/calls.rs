@@ -155,7 +155,8 @@ pub struct Calls<'a> {
 
 impl<'a> Calls<'a> {
     pub fn new(zygote: &'a mut Zygote, node: &'a Node) -> Calls<'a> {
-        let in_turn = zygote.isolation() == crate::zygote::resident::Isolation::Node;
+        // The sweep follows its calls itself: nothing is handed over.
+        let in_turn = zygote.placement().resident(false);
         Calls {
             zygote,
             node,

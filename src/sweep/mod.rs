@@ -354,7 +354,7 @@ fn sweep(
     let mut summary = Summary::new(total, jobs);
     // Under `--isolation node` the sweep hands each call to a resident child
     // itself: a fork per call in flight, not per call, needs no lanes.
-    let in_turn = zygote.isolation() == zygote::resident::Isolation::Node;
+    let in_turn = zygote.placement().resident(false);
     let (lane_count, per_lane) = if in_turn {
         (1, jobs)
     } else {

@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 
 use super::app::{NodeZygote, Preload};
 use super::node::NodeKey;
+use super::placement::NodeZygotes;
 use super::server::{self, Contract};
 use super::{StartupError, Zygote, ZygoteOptions};
 
@@ -22,7 +23,11 @@ pub fn run(
     failed: impl FnOnce(&StartupError),
     serve: impl FnOnce(Python<'_>, &mut Zygote) -> ExitCode,
 ) -> ExitCode {
+    let heavy_nodes = options.node_zygote_mib.is_some();
     super::run(options, failed, |py, zygote| {
+        if heavy_nodes {
+            zygote.set_node_zygotes(NodeZygotes::Heavy);
+        }
         zygote.spawn_own = Some(spawn_own);
         serve(py, zygote)
     })

@@ -35,6 +35,7 @@ pub mod heavy;
 pub mod learn;
 pub mod node;
 mod own;
+pub mod placement;
 pub mod recovery;
 pub mod reply;
 pub mod resident;
@@ -61,6 +62,7 @@ use flight::Flight;
 use fluksio_embed::capture::LogBuffer;
 use node::NodeKey;
 use own::OwnZygote;
+use placement::{Home, Placement};
 use runner::{Runner, Stop};
 use trial::{HeldReply, Loading, TrialOutput};
 
@@ -95,9 +97,8 @@ type SpawnOwn =
 pub struct Zygote {
     nodes: Nodes,
     runner: Runner,
-    isolation: resident::Isolation,
-    /// `--node-zygote-mib`, where heavy nodes get a zygote of their own.
-    node_zygote_mib: Option<u64>,
+    /// Where its nodes' calls run.
+    placement: Placement,
     /// How a heavy node's own zygote is forked, where this zygote's front
     /// end serves them.
     spawn_own: Option<SpawnOwn>,
@@ -119,8 +120,10 @@ impl Zygote {
         Ok(Zygote {
             nodes: Nodes::default(),
             runner: Runner::new(options.standby, options.max_calls_per_child),
-            isolation: options.isolation,
-            node_zygote_mib: options.node_zygote_mib,
+            placement: Placement {
+                isolation: options.isolation,
+                ..Placement::default()
+            },
             spawn_own: None,
         })
     }
@@ -227,10 +230,7 @@ impl Zygote {
                 }
             };
             let loading = Loading::after(request, &landed, &mut held);
-            let own_zygote = self.spawn_own.filter(|_| {
-                self.node_zygote_mib.is_some() && self.isolation == resident::Isolation::Call
-            });
-            let loaded = self.load(py, &key, request, &digest, &loading, own_zygote);
+            let loaded = self.load(py, &key, request, &digest, &loading);
             if request.op == Op::Compile || !loaded {
                 out.reply(held.line());
                 self.runner.recycle(landed.logs);
@@ -247,7 +247,7 @@ impl Zygote {
             }
             trial_logs = Some(landed.logs);
         }
-        if self.isolation == resident::Isolation::Node && !detach {
+        if self.placement.resident(detach) {
             let resident = assignment(Task::Resident);
             return self
                 .runner
@@ -280,9 +280,9 @@ impl Zygote {
         served.map(|()| None)
     }
 
-    /// Places a node whose trial went as `loading` says: in a zygote of its
-    /// own (`own_zygote`, for a heavy one), here, or in each call's child.
-    /// False where it did not load.
+    /// Places a node whose trial went as `loading` says (`placement`): in
+    /// a zygote of its own, here, or in each call's child. False where it
+    /// did not load.
     fn load(
         &mut self,
         py: Python<'_>,
@@ -290,20 +290,18 @@ impl Zygote {
         request: &Request,
         digest: &str,
         loading: &Loading,
-        own_zygote: Option<SpawnOwn>,
     ) -> bool {
-        use assignment::TrialVerdict;
         let warm = loading.warm();
-        match (loading.verdict, own_zygote) {
-            (Some(TrialVerdict::LoadedHeavy), Some(spawn)) => {
+        match (self.placement.home(loading.verdict), self.spawn_own) {
+            (Home::OwnZygote, Some(spawn)) => {
                 self.give_own_zygote(py, spawn, key, &request.source, digest, warm);
                 true
             }
-            (Some(TrialVerdict::Loaded | TrialVerdict::LoadedHeavy), _) => {
+            (Home::Here | Home::OwnZygote, _) => {
                 self.load_into_zygote(py, key, &request.source, digest, warm);
                 true
             }
-            (Some(TrialVerdict::LoadedButForkUnsafe), _) => {
+            (Home::EachChild, _) => {
                 tracing::warn!(
                     "node {key} starts a thread while it loads that does not stop at fork; \
                      it is loaded in each call's child instead of the zygote"
@@ -312,7 +310,7 @@ impl Zygote {
                     .remember(key, &request.source, digest, Residence::EachChild);
                 true
             }
-            (Some(TrialVerdict::Failed) | None, _) => false,
+            (Home::Nowhere, _) => false,
         }
     }
 
@@ -448,9 +446,15 @@ impl Zygote {
         }
     }
 
-    /// A fresh child per call, or one per node serving its calls in turn.
-    pub fn isolation(&self) -> resident::Isolation {
-        self.isolation
+    /// Where its nodes' calls run.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// Which of its nodes get a zygote of their own: set by the front end
+    /// that serves them (`heavy` for the worker, `server` for links).
+    pub(crate) fn set_node_zygotes(&mut self, node_zygotes: placement::NodeZygotes) {
+        self.placement.node_zygotes = node_zygotes;
     }
 
     /// Whether forking became unsafe: the zygote must restart before it
@@ -539,7 +543,7 @@ impl app::Parent for Zygote {
         self.runner.forget_inherited();
         // Its parent's node zygotes are its parent's; it makes none itself.
         self.nodes.forget_own_zygotes();
-        self.node_zygote_mib = None;
+        self.set_node_zygotes(placement::NodeZygotes::None);
         child::set_heavy_from_mib(None);
         self.nodes.bump();
     }

@@ -14,7 +14,7 @@ use nix::unistd::Pid;
 use pyo3::prelude::*;
 
 use super::link_output::{Discard, LinkOutput, send};
-use super::{Contract, Link, Placement, Run, Server};
+use super::{Contract, Link, Run, Server};
 use crate::end::End;
 use crate::fds::Claimed;
 use crate::link::{self, Frame, Received, Receiver};
@@ -134,7 +134,7 @@ impl Server {
             }
         };
         let _secrets = parsed.held();
-        if self.placement == Placement::NodeZygotes {
+        if zygote.placement().own_zygote_first() {
             if parsed.op == protocol::Op::Run {
                 // Each call's share of the CPUs, read where it is forked.
                 let runs = self.routes.values().filter(|route| route.run).count();

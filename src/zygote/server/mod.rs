@@ -41,6 +41,7 @@ use pyo3::prelude::*;
 use super::app::{self, NodeZygote};
 use super::flight::Flight;
 use super::node::NodeKey;
+use super::placement::NodeZygotes;
 use super::{Zygote, ZygoteOptions};
 use crate::fds::Claimed;
 use crate::link::{self, Frame, Receiver};
@@ -119,7 +120,8 @@ fn serve_links(
                 return failed(&first, error.to_string());
             }
         };
-        let mut server = Server::new(listener, contract, Placement::NodeZygotes);
+        zygote.set_node_zygotes(NodeZygotes::Every);
+        let mut server = Server::new(listener, contract);
         server.lanes_per_node = options.node_lanes.unwrap_or_else(|| {
             app::default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
         });
@@ -166,23 +168,12 @@ pub(super) fn serve_link(
     contract: Contract,
     key: &NodeKey,
 ) -> i32 {
-    let mut server = Server::new(None, contract, Placement::Here);
+    let mut server = Server::new(None, contract);
     server.node = Some(key.clone());
     if !server.open(link) {
         return 0;
     }
     server.serve(py, zygote) as i32
-}
-
-/// Where the nodes a server is asked for are loaded and forked from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Placement {
-    /// Each in a zygote of its own (`super::app`), forked on its first
-    /// request: this process runs no node code, so no compile holds up
-    /// another node's calls, and its forks stay as cheap as its preloads.
-    NodeZygotes,
-    /// Here: this process is a node's own zygote.
-    Here,
 }
 
 /// One link: its socket and what has arrived on it.
@@ -206,7 +197,6 @@ struct Server {
     runs: Vec<Run>,
     next_link: u64,
     contract: Contract,
-    placement: Placement,
     /// The nodes' own zygotes, and the calls relayed to them by their
     /// tickets there.
     node_zygotes: Vec<Relay>,
@@ -246,14 +236,13 @@ struct Route {
 }
 
 impl Server {
-    fn new(listener: Option<Claimed>, contract: Contract, placement: Placement) -> Server {
+    fn new(listener: Option<Claimed>, contract: Contract) -> Server {
         Server {
             listener,
             links: Vec::new(),
             runs: Vec::new(),
             next_link: 0,
             contract,
-            placement,
             node_zygotes: Vec::new(),
             routes: HashMap::new(),
             next_route: 0,

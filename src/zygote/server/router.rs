@@ -1,4 +1,4 @@
-//! The node-zygote router (`Placement::NodeZygotes`): each node's requests
+//! The node-zygote router (`placement::NodeZygotes::Every`): each node's requests
 //! go to a zygote of its own, forked on its node's first request, so this
 //! process runs no node code, no compile holds up another node's calls,
 //! and its forks stay as cheap as its preloads.
