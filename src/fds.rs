@@ -115,3 +115,34 @@ pub fn set_nonblocking(fd: RawFd) {
         }
     }
 }
+
+/// A private copy of standard stream `fd` (close-on-exec, at 3 or above),
+/// for this process's own reading or writing of it once
+/// [`shield_standard_streams`] has pointed the stream elsewhere.
+pub fn keep_stream(fd: RawFd) -> std::io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC makes a new fd; no existing one changes.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
+    if new < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new fd the kernel just returned, owned here alone.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(new) })
+}
+
+/// Points fd 1 at stderr and, with `stdin`, fd 0 at /dev/null: what a node
+/// or its subprocess writes to fd 1 (or reads from fd 0) never touches this
+/// process's own streams, which it keeps with [`keep_stream`] first.
+pub fn shield_standard_streams(stdin: bool) -> std::io::Result<()> {
+    // SAFETY: dup2 onto this process's own standard fds.
+    if unsafe { libc::dup2(2, 1) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if stdin {
+        let null = std::fs::File::open("/dev/null")?;
+        // SAFETY: as above.
+        if unsafe { libc::dup2(null.as_raw_fd(), 0) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}

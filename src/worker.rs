@@ -134,23 +134,10 @@ fn serve(
 /// Moves the request stream to a private fd with /dev/null on fd 0, and the
 /// reply stream to a private fd with stderr on fd 1.
 pub(crate) fn take_stdio() -> std::io::Result<(RawFd, RawFd)> {
-    let private = |fd: RawFd| -> std::io::Result<RawFd> {
-        // SAFETY: F_DUPFD_CLOEXEC makes a new fd; no existing one changes.
-        let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
-        if new < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(new)
-    };
-    let request_fd = private(0)?;
-    let reply_fd = private(1)?;
-    let null = std::fs::File::open("/dev/null")?;
-    // SAFETY: dup2 onto the standard fds, which this process owns.
-    unsafe {
-        if libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 0) < 0 || libc::dup2(2, 1) < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
+    use std::os::fd::IntoRawFd;
+    let request_fd = crate::fds::keep_stream(0)?.into_raw_fd();
+    let reply_fd = crate::fds::keep_stream(1)?.into_raw_fd();
+    crate::fds::shield_standard_streams(true)?;
     Ok((request_fd, reply_fd))
 }
 

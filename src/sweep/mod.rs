@@ -29,7 +29,6 @@ pub mod signature;
 
 use std::fs::File;
 use std::io::{IsTerminal, Write};
-use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -235,25 +234,8 @@ fn say(text: &str) {
 /// node or its subprocess writes to fd 1 can never corrupt the results.
 /// With `null_stdin`, fd 0 becomes /dev/null (many calls, one terminal).
 fn take_stdout(null_stdin: bool) -> std::io::Result<File> {
-    // SAFETY: F_DUPFD_CLOEXEC makes a new fd; no existing one changes.
-    let fd = unsafe { libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 3) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a new fd the kernel just returned, owned by the File alone.
-    let stdout = unsafe { File::from_raw_fd(fd) };
-    // SAFETY: dup2 onto this process's own standard fds.
-    unsafe {
-        if libc::dup2(2, 1) < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if null_stdin {
-            let null = File::open("/dev/null")?;
-            if libc::dup2(null.as_raw_fd(), 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-    }
+    let stdout = File::from(crate::fds::keep_stream(1)?);
+    crate::fds::shield_standard_streams(null_stdin)?;
     Ok(stdout)
 }
 

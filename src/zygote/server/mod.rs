@@ -95,13 +95,7 @@ fn serve_links(
     let first = first.map(Claimed::new);
     let listener = listener.map(|l| Claimed::new(OwnedFd::from(l)));
     // A node's stray writes to fd 1 go to the log, and stdin is nobody's.
-    if let Ok(null) = std::fs::File::open("/dev/null") {
-        // SAFETY: dup2 onto this process's own standard fds.
-        unsafe {
-            libc::dup2(null.as_raw_fd(), 0);
-            libc::dup2(2, 1);
-        }
-    }
+    let _ = crate::fds::shield_standard_streams(true);
     let failed = |first: &Option<Claimed>, message: String| {
         if let Some(socket) = first {
             let _ = link::send(socket.as_fd(), &Frame::Failed { message });
