@@ -1224,3 +1224,47 @@ fn results_through_lanes_are_those_of_one_zygote() {
     assert_eq!(one[5]["events"][0]["outputs"]["half"], 2.5, "{}", one[5]);
     assert_eq!(results("2"), one);
 }
+
+/// `--timeout` through lanes: the sweep ends the call past it, with what it
+/// started, and says so in its reply, as its own zygote's calls.
+#[test]
+fn a_call_past_timeout_in_a_lane_is_ended_with_what_it_started() {
+    let dir = scratch("lanes-timeout");
+    let source = format!(
+        "import os, subprocess, time\ndef process(x):\n    if x % 4 == 1:\n        sleeper = subprocess.Popen(['sleep', '300'])\n        with open(os.path.join({dir:?}, f'sleeper-{{x}}'), 'w') as f:\n            f.write(str(sleeper.pid))\n        time.sleep(60)\n    return x\n",
+        dir = dir.to_str().unwrap()
+    );
+    let slow = node(&dir, "slow.py", &source);
+    let output = sweep(
+        &slow,
+        &[
+            "--grid",
+            "x=0..7",
+            "-j",
+            "4",
+            "--lanes",
+            "2",
+            "--timeout",
+            "0.5",
+        ],
+    );
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let lines = lines(&output);
+    assert_eq!(lines.len(), 8);
+    for line in &lines {
+        let x = line["kwargs"]["x"].as_i64().unwrap();
+        if x % 4 == 1 {
+            assert_eq!(line["error"]["type"], "NodeTimeout", "{line}");
+            let pid: i32 = std::fs::read_to_string(dir.join(format!("sleeper-{x}")))
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(
+                wait_gone(pid, Duration::from_secs(10)),
+                "the sleeper {pid} of call {x} outlived its call"
+            );
+        } else {
+            assert_eq!(line["result"], x, "{line}");
+        }
+    }
+}

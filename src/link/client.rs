@@ -31,15 +31,7 @@ struct Closed;
 impl Client {
     /// Blocks for the link's first frame: `Ready`, or why not.
     pub fn wait_ready(&mut self, link: BorrowedFd<'_>) -> Result<(), NotReady> {
-        loop {
-            if let Some(ready) = self.receiver.ready() {
-                return ready;
-            }
-            match self.receive(link) {
-                Ok(()) => {}
-                Err(Closed) => return Err(NotReady::Closed),
-            }
-        }
+        super::wait_ready(link, &mut self.receiver)
     }
 
     /// Serves one request over `link`: the request sent, its lines to `out`

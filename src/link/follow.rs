@@ -12,6 +12,7 @@
 //! everywhere else.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::time::Duration;
 
 use serde_json::value::RawValue;
 
@@ -33,6 +34,15 @@ impl CallPipe for OwnedFd {
     }
 }
 
+/// How the owner ended a call, for a reply it gets without its node's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// It did not: the call's process ended on its own.
+    Ended,
+    Cancelled,
+    TimedOut(Duration),
+}
+
 /// One call followed over a link, from its `Call` frame to its reply.
 pub struct Follower<P: CallPipe = OwnedFd> {
     ticket: u64,
@@ -44,8 +54,8 @@ pub struct Follower<P: CallPipe = OwnedFd> {
     lines: CallLines,
     /// A pidfd of the call's child: a line over the limit kills it here.
     child: Option<OwnedFd>,
-    /// The owner cancelled the call: an end without a reply says so.
-    cancelled: bool,
+    /// How an end without a reply is told.
+    ending: Ending,
     over: bool,
 }
 
@@ -58,7 +68,7 @@ impl<P: CallPipe> Follower<P> {
             pipe: None,
             lines: CallLines::new(),
             child: None,
-            cancelled: false,
+            ending: Ending::Ended,
             over: false,
         }
     }
@@ -77,7 +87,22 @@ impl<P: CallPipe> Follower<P> {
     /// The owner cancelled the call: if its process ends without a reply,
     /// the reply says it was cancelled.
     pub fn cancel(&mut self) {
-        self.cancelled = true;
+        self.ending = Ending::Cancelled;
+    }
+
+    /// The owner ends the call past its time limit: its child is killed now
+    /// (the zygote that forked it ends what it started), and the reply says
+    /// it ran past `limit`.
+    pub fn time_out(&mut self, limit: Duration) {
+        self.ending = Ending::TimedOut(limit);
+        self.kill();
+    }
+
+    /// Kills the call's child, once it has one.
+    pub fn kill(&self) {
+        if let Some(child) = &self.child {
+            crate::process::pidfd_kill(child.as_fd());
+        }
     }
 
     /// Takes one frame of the link; another call's frames are left alone.
@@ -95,7 +120,8 @@ impl<P: CallPipe> Follower<P> {
                 } else {
                     // The zygote answered for a child it saw die: if that
                     // was a cancel, the reply says so.
-                    let cancelled = self.cancelled.then(|| crate::end::as_cancelled(&line));
+                    let cancelled =
+                        (self.ending == Ending::Cancelled).then(|| crate::end::as_cancelled(&line));
                     match cancelled.flatten() {
                         Some(mut reply) => {
                             reply.push(b'\n');
@@ -119,10 +145,10 @@ impl<P: CallPipe> Follower<P> {
                 out.started(nix::unistd::Pid::from_raw(pid));
             }
             Frame::Ended { end, logs, .. } => {
-                let end = if self.cancelled {
-                    End::Cancelled(end)
-                } else {
-                    End::Process(end)
+                let end = match self.ending {
+                    Ending::Ended => End::Process(end),
+                    Ending::Cancelled => End::Cancelled(end),
+                    Ending::TimedOut(limit) => End::TimedOut(limit),
                 };
                 self.end(end, &logs, out);
             }
@@ -186,9 +212,7 @@ impl<P: CallPipe> Follower<P> {
                 bytes = too_large.bytes,
                 "a call's line is over --max-reply-mb; its process is killed"
             );
-            if let Some(child) = &self.child {
-                crate::process::pidfd_kill(child.as_fd());
-            }
+            self.kill();
             self.close_pipe();
             out.reply(&too_large.reply(&self.id, &self.call_id));
         }

@@ -1,8 +1,8 @@
 //! The link: frames over a Unix socket between a process that owns calls
 //! and a zygote that forks them. The one wire between the runtime's
 //! processes: the agent and its zygote, pool slots and their shared zygote,
-//! a zygote and a node's own zygote, a node's zygote and its lanes, a
-//! sweep and its lanes.
+//! a zygote and a node's own zygote or its lanes, a sweep and its lanes; and
+//! down a call's control pipe, its assignment.
 //!
 //! The owner may have threads, so it never forks node code; the zygote
 //! does, and hands each run's line pipe and a pidfd of its child to the
@@ -20,7 +20,6 @@ pub mod follow;
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::time::Duration;
 
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
@@ -66,10 +65,6 @@ pub enum Frame {
     /// Zygote → a node's own zygote: its calls keep its fork loop busy;
     /// fork a lane of itself (`zygote::server`).
     ForkLane,
-    /// A sweep's lane → the sweep: call `ticket` is over. Its lines came
-    /// before this in `Line` frames, its reply last; it ran this long,
-    /// from its child's start to its reply (the sweep's `duration_ms`).
-    Answered { ticket: u64, took: Duration },
     /// A zygote → a call's child, down the child's control pipe: the
     /// call's assignment (`zygote::assignment` encodes its fields).
     Assign { assignment: Vec<u8> },
@@ -95,8 +90,7 @@ const ABANDON: u8 = 9;
 const LOST: u8 = 10;
 const FORK_LANE: u8 = 11;
 const LANE: u8 = 12;
-const ANSWERED: u8 = 13;
-const ASSIGN: u8 = 14;
+const ASSIGN: u8 = 13;
 
 /// An `Ended` code at or below `-OVER_MEMORY_LIMIT` is a memory-limit kill.
 const OVER_MEMORY_LIMIT: i32 = 1000;
@@ -112,7 +106,6 @@ impl Frame {
             | Frame::Ended { ticket, .. }
             | Frame::Done { ticket }
             | Frame::Abandon { ticket }
-            | Frame::Answered { ticket, .. }
             | Frame::Lost { ticket, .. } => Some(*ticket),
             Frame::Ready
             | Frame::Failed { .. }
@@ -136,7 +129,7 @@ impl Frame {
     pub fn is_last(&self) -> bool {
         matches!(
             self,
-            Frame::Ended { .. } | Frame::Done { .. } | Frame::Lost { .. } | Frame::Answered { .. }
+            Frame::Ended { .. } | Frame::Done { .. } | Frame::Lost { .. }
         )
     }
 
@@ -150,7 +143,6 @@ impl Frame {
             Frame::Ended { end, logs, .. } => Frame::Ended { ticket, end, logs },
             Frame::Done { .. } => Frame::Done { ticket },
             Frame::Abandon { .. } => Frame::Abandon { ticket },
-            Frame::Answered { took, .. } => Frame::Answered { ticket, took },
             Frame::Lost { message, .. } => Frame::Lost { ticket, message },
             other => other,
         }
@@ -188,13 +180,6 @@ impl Frame {
             }
             Frame::Done { ticket } => (DONE, *ticket, Vec::new()),
             Frame::Abandon { ticket } => (ABANDON, *ticket, Vec::new()),
-            Frame::Answered { ticket, took } => (
-                ANSWERED,
-                *ticket,
-                (took.as_nanos().min(u64::MAX as u128) as u64)
-                    .to_le_bytes()
-                    .to_vec(),
-            ),
             Frame::Lost { ticket, message } => (LOST, *ticket, message.as_bytes().to_vec()),
             Frame::ForkLane => (FORK_LANE, 0, Vec::new()),
             Frame::Assign { assignment } => (ASSIGN, 0, assignment.clone()),
@@ -267,16 +252,6 @@ impl Frame {
             }
             DONE => Frame::Done { ticket },
             ABANDON => Frame::Abandon { ticket },
-            ANSWERED => Frame::Answered {
-                ticket,
-                took: Duration::from_nanos(u64::from_le_bytes(
-                    payload
-                        .get(..8)
-                        .ok_or("a short frame")?
-                        .try_into()
-                        .expect("8 bytes"),
-                )),
-            },
             LOST => Frame::Lost {
                 ticket,
                 message: String::from_utf8_lossy(payload).into_owned(),
@@ -307,12 +282,6 @@ pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
     send_with_fds(socket, &bytes, &fds)
 }
 
-/// Sends frames encoded with [`Frame::bytes`] (several at once, in one
-/// write where the socket has room), blocking until the socket took them.
-pub fn send_bytes(socket: BorrowedFd<'_>, bytes: &[u8]) -> std::io::Result<()> {
-    send_with_fds(socket, bytes, &[])
-}
-
 fn send_with_fds(socket: BorrowedFd<'_>, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
     let mut sent = 0;
     while sent < bytes.len() {
@@ -336,6 +305,24 @@ fn send_with_fds(socket: BorrowedFd<'_>, bytes: &[u8], fds: &[RawFd]) -> std::io
         }
     }
     Ok(())
+}
+
+/// Blocks for a fresh link's first frame: `Ready`, or why not. What came
+/// after it stays in `receiver`.
+pub fn wait_ready(link: BorrowedFd<'_>, receiver: &mut Receiver) -> Result<(), NotReady> {
+    loop {
+        if let Some(ready) = receiver.ready() {
+            return ready;
+        }
+        match receiver.receive(link) {
+            Ok(Received::Data) => {}
+            Ok(Received::WouldBlock) => {
+                let mut fds = [nix::poll::PollFd::new(link, nix::poll::PollFlags::POLLIN)];
+                let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE);
+            }
+            Ok(Received::Closed) | Err(_) => return Err(NotReady::Closed),
+        }
+    }
 }
 
 /// Reads one whole frame from a blocking pipe (no fds cross a pipe);
@@ -536,10 +523,6 @@ mod tests {
                 logs: "é\n".into(),
             },
             Frame::Done { ticket: 8 },
-            Frame::Answered {
-                ticket: 9,
-                took: Duration::from_nanos(1_234_567_891),
-            },
             Frame::ForkLane,
             Frame::Lane {
                 pid: 4321,
@@ -554,7 +537,7 @@ mod tests {
         });
         let mut receiver = Receiver::default();
         let mut got = Vec::new();
-        while got.len() < 9 {
+        while got.len() < 8 {
             match receiver.next_frame().unwrap() {
                 Some(frame) => got.push(frame),
                 None => {
@@ -578,12 +561,8 @@ mod tests {
             matches!(&got[4], Frame::Ended { end: ChildEnd::Signaled(nix::sys::signal::Signal::SIGSEGV), logs, .. } if logs == "é\n")
         );
         assert!(matches!(got[5], Frame::Done { ticket: 8 }));
-        assert!(matches!(
-            got[6],
-            Frame::Answered { ticket: 9, took } if took.as_nanos() == 1_234_567_891
-        ));
-        assert!(matches!(got[7], Frame::ForkLane));
-        assert!(matches!(got[8], Frame::Lane { pid: 4321, .. }));
+        assert!(matches!(got[6], Frame::ForkLane));
+        assert!(matches!(got[7], Frame::Lane { pid: 4321, .. }));
     }
 
     #[test]

@@ -23,6 +23,7 @@ use crate::zygote::{SpawnError, Zygote};
 const WAKE_MS: u16 = 200;
 
 /// What a node is, for its requests.
+#[derive(Clone)]
 pub struct Node {
     pub flow: String,
     pub name: String,
@@ -58,6 +59,13 @@ pub struct Answer {
     replied_at: Option<Instant>,
 }
 
+impl Answer {
+    /// When its reply came, if it has.
+    pub fn replied_at(&self) -> Option<Instant> {
+        self.replied_at
+    }
+}
+
 impl CallOutput for Answer {
     fn event(&mut self, line: &[u8]) {
         self.events.push(line.to_vec());
@@ -78,7 +86,7 @@ pub struct Done {
 }
 
 impl Done {
-    /// A call that ended in another process (a lane, `super::lanes`).
+    /// A call forked in another process (a lane, `super::lanes`).
     pub fn answered(index: usize, duration: Duration, answer: Answer) -> Done {
         Done {
             index,

@@ -348,14 +348,7 @@ fn sweep(
         Runner::Here(calls)
     };
     let mut calls = if lane_count > 1 {
-        match lanes::Lanes::start(
-            py,
-            zygote,
-            &prepared.node,
-            &prepared.calls,
-            (lane_count, per_lane),
-            timeout,
-        ) {
+        match lanes::Lanes::start(py, zygote, &prepared.node, (lane_count, per_lane), timeout) {
             Ok(lanes) => Runner::Lanes(lanes),
             Err(message) => {
                 tracing::warn!("{message}; every call is forked from one zygote");
@@ -482,7 +475,7 @@ impl Runner<'_> {
                 }
                 Ok(())
             }
-            Runner::Lanes(lanes) => lanes.fill(next, total),
+            Runner::Lanes(lanes) => lanes.fill(next, total, source),
         }
     }
 

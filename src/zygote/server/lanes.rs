@@ -14,7 +14,7 @@ use nix::unistd::Pid;
 use pyo3::prelude::*;
 
 use super::link_output::send;
-use super::{Relay, Server, serve_link};
+use super::{Relay, Server};
 use crate::fds::Claimed;
 use crate::link::{Frame, Receiver};
 use crate::process::ExitWatch;
@@ -85,9 +85,7 @@ impl Server {
         };
         let contract = self.contract;
         let pending = self.pending_held();
-        let forked = app::fork_own(py, zygote, &key, |py, zygote, link| {
-            serve_link(py, zygote, link, contract, &key)
-        });
+        let forked = super::spawn_node_zygote(py, zygote, &key, contract, None);
         drop(pending);
         let Some(socket) = self.socket_of(id) else {
             if let Ok(lane) = forked {

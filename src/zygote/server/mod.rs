@@ -138,7 +138,7 @@ fn serve_links(
 /// Forks a zygote of its own for node `key`. It loads `preload` first (if
 /// given), then serves the link under `contract` until the link closes.
 /// Returns in the parent only.
-pub(super) fn spawn_node_zygote(
+pub(crate) fn spawn_node_zygote(
     py: Python<'_>,
     zygote: &mut Zygote,
     key: &NodeKey,
@@ -155,7 +155,7 @@ pub(super) fn spawn_node_zygote(
 
 /// A node's own zygote (or a lane of one) serving the link to the zygote
 /// that forked it, until it closes; the exit code.
-pub(super) fn serve_link(
+fn serve_link(
     py: Python<'_>,
     zygote: &mut Zygote,
     link: Claimed,
