@@ -901,6 +901,10 @@ impl Context<'_> {
             }
             roots.extend(zygotes);
         }
+        // A worker forks its standby children once its call has begun: a
+        // tree sampled before they exist counts fewer processes (about 16
+        // MiB each here) than it holds a moment later.
+        settle(&roots);
         let (kib, processes) = procfs::tree_pss_kib(&roots);
         std::fs::write(dir.join("go"), "").map_err(|e| format!("cannot write go: {e}"))?;
         for worker in &mut workers {
@@ -1152,6 +1156,22 @@ fn hang(worker: &mut LineWorker, source_json: &str) -> Result<i32, String> {
 }
 
 /// Until `dir` holds `HOLDERS` ready files.
+/// Waits until the process trees under `roots` have kept one size for
+/// half a second (at most ten seconds).
+fn settle(roots: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut size = procfs::tree(roots).len();
+    let mut since = Instant::now();
+    while Instant::now() < deadline && since.elapsed() < Duration::from_millis(500) {
+        std::thread::sleep(Duration::from_millis(50));
+        let now = procfs::tree(roots).len();
+        if now != size {
+            size = now;
+            since = Instant::now();
+        }
+    }
+}
+
 fn wait_ready(dir: &Path) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
