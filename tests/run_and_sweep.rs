@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -829,21 +830,22 @@ fn lines_of(output: &Output) -> Vec<Value> {
     lines(output)
 }
 
-#[test]
-fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
-    let dir = scratch("sweep-in-turn");
+/// Sweeps a node that counts its calls under `--isolation node` with
+/// `args`; each child's counts, by its pid, checked to be its own calls
+/// 1, 2, 3…
+fn counts_by_child(name: &str, points: usize, args: &[&str]) -> BTreeMap<i64, Vec<i64>> {
+    let dir = scratch(name);
     let counter = node(
         &dir,
         "counter.py",
         "import os\nCALLS = []\ndef process(x):\n    CALLS.append(x)\n    return [os.getpid(), len(CALLS)]\n",
     );
-    let output = sweep(
-        &counter,
-        &["--grid", "x=0..99", "-j", "2", "--isolation", "node"],
-    );
-    let lines = lines_of(&output);
-    assert_eq!(lines.len(), 100);
-    let mut by_child: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
+    let grid = format!("x=0..{}", points - 1);
+    let mut all = vec!["--grid", &grid, "-j", "2", "--isolation", "node"];
+    all.extend_from_slice(args);
+    let lines = lines_of(&sweep(&counter, &all));
+    assert_eq!(lines.len(), points);
+    let mut by_child: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
     for line in &lines {
         let result = &line["result"];
         by_child
@@ -851,16 +853,22 @@ fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
             .or_default()
             .push(result[1].as_i64().unwrap());
     }
-    assert_eq!(
-        by_child.len(),
-        2,
-        "one resident child per call in flight: {by_child:?}"
-    );
     for counts in by_child.values_mut() {
         counts.sort_unstable();
         let expected: Vec<i64> = (1..=counts.len() as i64).collect();
         assert_eq!(*counts, expected, "each child counted its own calls");
     }
+    by_child
+}
+
+#[test]
+fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
+    let by_child = counts_by_child("sweep-in-turn", 100, &[]);
+    assert_eq!(
+        by_child.len(),
+        2,
+        "one resident child per call in flight: {by_child:?}"
+    );
 }
 
 /// `--max-calls-per-child` holds in a sweep as in the worker: each resident
@@ -868,40 +876,9 @@ fn a_sweep_under_isolation_node_keeps_module_state_in_each_of_its_lanes() {
 /// resident is gone when the sweep ends.
 #[test]
 fn a_sweep_under_isolation_node_replaces_a_resident_after_its_calls() {
-    let dir = scratch("sweep-in-turn-max");
-    let counter = node(
-        &dir,
-        "counter.py",
-        "import os\nCALLS = []\ndef process(x):\n    CALLS.append(x)\n    return [os.getpid(), len(CALLS)]\n",
-    );
-    let output = sweep(
-        &counter,
-        &[
-            "--grid",
-            "x=0..59",
-            "-j",
-            "2",
-            "--isolation",
-            "node",
-            "--max-calls-per-child",
-            "7",
-        ],
-    );
-    let lines = lines_of(&output);
-    assert_eq!(lines.len(), 60);
-    let mut by_child: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
-    for line in &lines {
-        let result = &line["result"];
-        by_child
-            .entry(result[0].as_i64().unwrap())
-            .or_default()
-            .push(result[1].as_i64().unwrap());
-    }
+    let by_child = counts_by_child("sweep-in-turn-max", 60, &["--max-calls-per-child", "7"]);
     assert!(by_child.len() >= 60 / 7, "{by_child:?}");
-    for (pid, counts) in &mut by_child {
-        counts.sort_unstable();
-        let expected: Vec<i64> = (1..=counts.len() as i64).collect();
-        assert_eq!(*counts, expected, "each child counted its own calls");
+    for (pid, counts) in &by_child {
         assert!(counts.len() <= 7, "{pid} served {} calls", counts.len());
         assert!(common::is_gone(*pid as i32), "{pid} outlived the sweep");
     }
