@@ -9,7 +9,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use serde_json::value::RawValue;
 
 use super::follow::Follower;
-use super::{Frame, NotReady, Received, Receiver};
+use super::{Frame, NotReady, Receiver};
 use crate::output::CallOutput;
 
 /// Calls over one link, and what has arrived on it: frames outlive the call
@@ -93,14 +93,9 @@ impl Client {
 
     /// One read of the link, waiting for it if there is nothing yet.
     fn receive(&mut self, link: BorrowedFd<'_>) -> Result<(), Closed> {
-        match self.receiver.receive(link) {
-            Ok(Received::Data) => Ok(()),
-            Ok(Received::WouldBlock) => {
-                let mut fds = [PollFd::new(link, PollFlags::POLLIN)];
-                let _ = poll(&mut fds, PollTimeout::NONE);
-                Ok(())
-            }
-            Ok(Received::Closed) | Err(_) => Err(Closed),
-        }
+        self.receiver
+            .receive_waiting(link)
+            .then_some(())
+            .ok_or(Closed)
     }
 }

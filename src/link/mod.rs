@@ -279,15 +279,11 @@ pub fn send(socket: BorrowedFd<'_>, frame: &Frame) -> std::io::Result<()> {
             "a frame over 4 GiB",
         ));
     }
-    send_with_fds(socket, &bytes, &fds)
-}
-
-fn send_with_fds(socket: BorrowedFd<'_>, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
     let mut sent = 0;
     while sent < bytes.len() {
         // The fds ride with the frame's first bytes only.
         let control = if sent == 0 && !fds.is_empty() {
-            vec![ControlMessage::ScmRights(fds)]
+            vec![ControlMessage::ScmRights(&fds)]
         } else {
             vec![]
         };
@@ -314,13 +310,8 @@ pub fn wait_ready(link: BorrowedFd<'_>, receiver: &mut Receiver) -> Result<(), N
         if let Some(ready) = receiver.ready() {
             return ready;
         }
-        match receiver.receive(link) {
-            Ok(Received::Data) => {}
-            Ok(Received::WouldBlock) => {
-                let mut fds = [nix::poll::PollFd::new(link, nix::poll::PollFlags::POLLIN)];
-                let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE);
-            }
-            Ok(Received::Closed) | Err(_) => return Err(NotReady::Closed),
+        if !receiver.receive_waiting(link) {
+            return Err(NotReady::Closed);
         }
     }
 }
@@ -415,6 +406,20 @@ impl Receiver {
     /// What has arrived and is not yet a whole frame taken.
     pub fn pending(&self) -> &[u8] {
         &self.buffer
+    }
+
+    /// One read of `socket`, waiting for it if there is nothing yet; false
+    /// once it closed (or could not be read).
+    pub fn receive_waiting(&mut self, socket: BorrowedFd<'_>) -> bool {
+        match self.receive(socket) {
+            Ok(Received::Data) => true,
+            Ok(Received::WouldBlock) => {
+                let mut fds = [nix::poll::PollFd::new(socket, nix::poll::PollFlags::POLLIN)];
+                let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE);
+                true
+            }
+            Ok(Received::Closed) | Err(_) => false,
+        }
     }
 
     /// One `recvmsg`: bytes into the buffer, fds into the queue.

@@ -114,11 +114,6 @@ impl Flight {
         }
     }
 
-    /// Whether the child has exited (it may not be reaped yet).
-    pub fn has_exited(&self) -> bool {
-        process::has_exited(self.pid)
-    }
-
     /// Waits at most `limit` for the child to exit; whether it did.
     pub fn wait_exit(&self, limit: std::time::Duration) -> bool {
         crate::poll_set::wait_exit(self.pid, &self.exit, limit)
