@@ -126,12 +126,7 @@ impl Runner {
                 out.started(flight.pid);
                 Ok(flight)
             }
-            Err(SpawnError::Unsafe | SpawnError::NotCompiled) => Err(Stop::Recover),
-            Err(SpawnError::Io(error)) => {
-                let message = format!("could not start the node's process: {error}");
-                out.reply(&assignment.lost(message));
-                Err(Stop::Answered)
-            }
+            Err(error) => Err(not_started(assignment, error, out)),
         }
     }
 
@@ -239,12 +234,7 @@ impl Runner {
         let _held = assignment.held();
         let (mut resident, forked) = match self.resident(py, nodes, assignment, logs_so_far) {
             Ok(started) => started,
-            Err(SpawnError::Io(error)) => {
-                let message = format!("could not start the node's process: {error}");
-                out.reply(&assignment.lost(message));
-                return Err(Stop::Answered);
-            }
-            Err(_) => return Err(Stop::Recover),
+            Err(error) => return Err(not_started(assignment, error, out)),
         };
         out.started(resident.flight().pid);
         if forked {
@@ -334,5 +324,18 @@ impl Runner {
         self.children.forget_inherited();
         self.residents.forget_inherited();
         self.pid = nix::unistd::getpid();
+    }
+}
+
+/// Why a call's process did not start, as a stop: forking became unsafe
+/// (recover first), or it failed, which the call's reply says.
+fn not_started(assignment: &Assignment, error: SpawnError, out: &mut dyn CallOutput) -> Stop {
+    match error {
+        SpawnError::Unsafe | SpawnError::NotCompiled => Stop::Recover,
+        SpawnError::Io(error) => {
+            let message = format!("could not start the node's process: {error}");
+            out.reply(&assignment.lost(message));
+            Stop::Answered
+        }
     }
 }
