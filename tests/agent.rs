@@ -946,7 +946,8 @@ fn hundreds_of_calls_leave_no_fd_or_process_behind() {
 #[test]
 fn a_long_compile_holds_up_no_other_nodes_calls() {
     let (_engine, _agent, connection) = attached();
-    let gate = common::scratch("long-compile").join("gate");
+    let dir = common::scratch("long-compile");
+    let gate = dir.join("gate");
     connection.send(&compile("slow", &common::gated_source(&gate, "slow")));
     // Calls of other nodes, each forked and answered while it still loads.
     for i in 0..5 {

@@ -381,7 +381,8 @@ fn sent_and_returned(name: &str) -> [String; 2] {
 
 #[test]
 fn in_worker_mode_no_call_finds_what_an_earlier_call_of_its_node_was_sent_or_returned() {
-    let gate = common::scratch("attack-same-node").join("gate");
+    let dir = common::scratch("attack-same-node");
+    let gate = dir.join("gate");
     let source = victim_or_scanner(&gate);
     // Requests of pages, and of blocks past glibc's first mmap threshold
     // (which it raises as such blocks are freed: later ones land in the
@@ -412,7 +413,8 @@ fn in_worker_mode_no_call_finds_what_an_earlier_call_of_its_node_was_sent_or_ret
 fn through_the_agent_no_call_finds_what_other_calls_of_its_node_were_sent_or_returned() {
     let secrets = sent_and_returned("agent-same-node");
     let in_flight = format!("in-flight-secret-{}", std::process::id());
-    let gate = common::scratch("attack-agent-same-node").join("gate");
+    let dir = common::scratch("attack-agent-same-node");
+    let gate = dir.join("gate");
     let source = victim_or_scanner(&gate);
     let engine = Engine::start(Answer::Welcome);
     let _agent = Agent::start(&engine.url, &["--parallel", "4"], &[]);

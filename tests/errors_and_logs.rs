@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -81,8 +81,8 @@ fn probe() -> Value {
 }
 
 /// A venv made from the embedded interpreter, with a module of its own.
-fn venv(name: &str) -> PathBuf {
-    let venv = scratch(name).join("venv");
+fn venv(name: &str) -> common::Scratch {
+    let venv = scratch(name);
     let made = Command::new(common::python())
         .args(["-m", "venv", "--without-pip"])
         .arg(&venv)

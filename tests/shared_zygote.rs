@@ -177,7 +177,8 @@ fn one_slots_long_compile_holds_up_no_other_slots_calls() {
     let mut a = slot("long-compile");
     let mut b = slot("long-compile");
     who(&mut a, 1);
-    let gate = common::scratch("slot-long-compile").join("gate");
+    let dir = common::scratch("slot-long-compile");
+    let gate = dir.join("gate");
     a.send(&common::compile(
         2,
         "slow",

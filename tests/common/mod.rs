@@ -223,12 +223,43 @@ pub fn gated_source(gate: &std::path::Path, result: &str) -> String {
     )
 }
 
-/// A fresh, empty directory for one test.
-pub fn scratch(name: &str) -> PathBuf {
+/// A fresh, empty directory for one test, removed with all it holds when the
+/// test ends, a failed one too: some tests write gigabytes, on a disk that
+/// other runs share.
+pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("fz-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a scratch directory");
-    dir
+    Scratch(dir)
+}
+
+/// A test's directory; see [`scratch`]. Bind it for as long as the test
+/// uses it: a temporary one is gone at the end of its statement.
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Whether `pid` is gone: no such process, or a zombie nobody reaped yet.
