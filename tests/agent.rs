@@ -1041,6 +1041,8 @@ struct Laned {
     agent: Agent,
     connection: common::engine::Connection,
     source: String,
+    /// Holds `marks` and `gate`, removed when the test ends.
+    _dir: common::Scratch,
     marks: std::path::PathBuf,
     gate: std::path::PathBuf,
     first: Vec<Started>,
@@ -1074,6 +1076,7 @@ fn with_a_lane(name: &str) -> Laned {
         agent,
         connection,
         source,
+        _dir: dir,
         marks,
         gate,
         first,

@@ -474,9 +474,34 @@ pub(super) struct SweepArgs {
     #[command(flatten)]
     pub(super) warmup: WarmupArgs,
 
-    /// Write the result lines to FILE instead of stdout
+    /// Write the result lines to FILE instead of stdout. A shard writes FILE with
+    /// `.K-of-N` before its extension (results.2-of-4.jsonl), or in place of `{shard}`
     #[arg(long, short = 'o', value_name = "FILE", help_heading = "Output")]
     pub(super) output: Option<PathBuf>,
+
+    /// Skip the points FILE (-o) answers already, each matched by index and kwargs (a
+    /// changed grid is refused), and append the rest; a cut last line is dropped and its
+    /// point runs again. A missing FILE is a fresh start
+    #[arg(long, requires = "output", help_heading = "Output")]
+    pub(super) resume: bool,
+
+    /// As --resume, and the points whose line says "ok": false run again (their lines
+    /// replaced)
+    #[arg(long, requires = "output", help_heading = "Output")]
+    pub(super) retry_failed: bool,
+
+    /// Run only shard K of N (0 ≤ K < N): the points whose index % N is K. Default under
+    /// SLURM: the array task's place (SLURM_ARRAY_TASK_ID of SLURM_ARRAY_TASK_COUNT), or in
+    /// an srun step the task's rank (SLURM_PROCID of SLURM_NTASKS)
+    #[arg(long, value_name = "K/N", value_parser = parse_shard, help_heading = "Running")]
+    pub(super) shard: Option<crate::sweep::shard::Shard>,
+
+    /// Run nothing: merge the shards' files of FILE (-o) into FILE, in index order, each
+    /// line checked against these points, and say what is missing (exit 1 where a point
+    /// is missing or failed). Give the sweep's own arguments
+    #[arg(long, requires = "output", conflicts_with_all = ["resume", "retry_failed", "shard"],
+          help_heading = "Output")]
+    pub(super) merge: bool,
 
     #[command(flatten, next_help_heading = "Zygote")]
     pub(super) zygote: ZygoteArgs,
@@ -495,6 +520,11 @@ pub(super) const SWEEP_AFTER_HELP: &str = "Output: one JSON line per call as it 
      a node that does not load, an argument its function does not take, checked before any \
      call); 130 Ctrl-C (143 SIGTERM): the calls in flight ended, the results so far written \
      and summarised; 141 the reader of its output went away (| head), quietly.";
+
+/// `--shard K/N`.
+fn parse_shard(text: &str) -> Result<crate::sweep::shard::Shard, String> {
+    crate::sweep::shard::Shard::parse(text)
+}
 
 /// `--lanes N`: at least one zygote forking the calls.
 fn parse_lanes(text: &str) -> Result<usize, String> {

@@ -107,6 +107,13 @@ pub fn main() -> ExitCode {
             jobs: args.jobs,
             lanes: args.lanes,
             output: args.output,
+            shard: args.shard,
+            resume: match (args.retry_failed, args.resume) {
+                (true, _) => sweep::Resume::AndFailed,
+                (false, true) => sweep::Resume::Missing,
+                (false, false) => sweep::Resume::No,
+            },
+            merge: args.merge,
             timeout: args.timeout,
             warmup: args.warmup.warmup,
         }),

@@ -128,10 +128,15 @@ impl Lanes {
         self.lanes.iter().map(|lane| lane.calls.len()).sum()
     }
 
-    /// Hands out points from `next` up to `total`, to lanes with room, the
-    /// least loaded first.
-    pub fn fill(&mut self, next: &mut usize, total: usize, points: &Points) -> Result<(), String> {
-        while *next < total {
+    /// Hands out the points of `todo` from its `next` on, to lanes with
+    /// room, the least loaded first.
+    pub fn fill(
+        &mut self,
+        next: &mut usize,
+        todo: &[usize],
+        points: &Points,
+    ) -> Result<(), String> {
+        while *next < todo.len() {
             let per_lane = self.per_lane;
             let Some(lane) = self
                 .lanes
@@ -141,7 +146,7 @@ impl Lanes {
             else {
                 break;
             };
-            let index = *next;
+            let index = todo[*next];
             let request = self
                 .node
                 .request(Op::Run, &index.to_string(), Some(&points.get(index)));

@@ -20,12 +20,15 @@ pub mod calls;
 pub mod grid;
 pub mod kwargs;
 mod lanes;
+mod merge;
 mod points;
 pub use crate::zygote::app::default_lanes;
 mod report;
 pub mod run;
+pub mod shard;
 mod signals;
 pub mod signature;
+mod written;
 
 use std::fs::File;
 use std::io::{IsTerminal, Write};
@@ -59,12 +62,30 @@ pub struct SweepOptions {
     pub jobs: Option<usize>,
     /// Zygotes forking them (`lanes`); `None` is one per CPU, at most `jobs`.
     pub lanes: Option<usize>,
-    /// Where the result lines go instead of stdout.
+    /// Where the result lines go instead of stdout (a shard's name tagged,
+    /// see [`shard::Shard::output`]).
     pub output: Option<PathBuf>,
+    /// `--shard K/N`; else SLURM's, else every point.
+    pub shard: Option<shard::Shard>,
+    /// `--resume` (or `--retry-failed`): what `output` holds already.
+    pub resume: Resume,
+    /// `--merge`: instead of running, merge the shards' files into `output`.
+    pub merge: bool,
     /// A call still running after this long is ended (`NodeTimeout`).
     pub timeout: Option<std::time::Duration>,
     /// The node called once in its zygote before any call is forked.
     pub warmup: Option<Warmup>,
+}
+
+/// What a sweep does with the points its output file answers already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Nothing: the file is written anew.
+    No,
+    /// They are skipped; the rest appended.
+    Missing,
+    /// As `Missing`, and those that failed run again (their lines replaced).
+    AndFailed,
 }
 
 /// `--warmup`: what the node is called with in its zygote, once, before
@@ -81,22 +102,21 @@ pub enum Warmup {
 const OUTPUT_CLOSED: u8 = 141;
 
 pub fn run(options: &SweepOptions) -> ExitCode {
-    let prepared = match prepare(options) {
+    let mut prepared = match prepare(options) {
         Ok(prepared) => prepared,
         Err(message) => return fail("sweep", &message, 2),
     };
-    let output = match &options.output {
-        None => None,
-        Some(path) => match File::create(path) {
-            Ok(file) => Some(file),
-            Err(e) => {
-                return fail(
-                    "sweep",
-                    &format!("cannot write --output {}: {e}", path.display()),
-                    2,
-                );
-            }
-        },
+    if options.merge {
+        let output = options
+            .output
+            .as_deref()
+            .expect("--merge requires --output");
+        return merge::run(output, &prepared.calls);
+    }
+    let (output, earlier) = match plan(options, &mut prepared) {
+        Ok(Planned::Run(output, earlier)) => (output, earlier),
+        Ok(Planned::Nothing(code)) => return code,
+        Err(message) => return fail("sweep", &message, 2),
     };
     let stdout_is_terminal = std::io::stdout().is_terminal();
     let stdout = match take_stdout(true) {
@@ -147,7 +167,7 @@ pub fn run(options: &SweepOptions) -> ExitCode {
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
                 .max(1);
             let shape = (jobs, options.lanes, options.timeout);
-            let code = sweep(py, zygote, &prepared, shape, out, progress);
+            let code = sweep(py, zygote, &prepared, shape, out, progress, earlier);
             zygote.shutdown();
             code
         },
@@ -159,6 +179,123 @@ struct Prepared {
     node: Node,
     dir: PathBuf,
     calls: Points,
+    /// The indices of the points this run calls, ascending: its shard's,
+    /// less those its output answers already.
+    todo: Vec<usize>,
+}
+
+/// Which of the points this run calls (`prepared.todo`), and the file its
+/// lines go to: the shard's, and what the file holds already where the
+/// sweep resumes.
+fn plan(options: &SweepOptions, prepared: &mut Prepared) -> Result<Planned, String> {
+    let total = prepared.calls.len();
+    let shard = match options.shard {
+        Some(shard) => Some((shard, shard::Origin::Flag)),
+        None => shard::Shard::from_slurm(|name| std::env::var(name).ok())?,
+    };
+    let (shard, origin) = shard.unwrap_or((shard::Shard::WHOLE, shard::Origin::Flag));
+    let path = options.output.as_deref().map(|path| shard.output(path));
+    let mut earlier = Earlier::default();
+    let mut answered = vec![false; total];
+    if let Some(path) = path.as_deref().filter(|_| options.resume != Resume::No) {
+        let written = written::read(path, &prepared.calls, shard)?;
+        let retry = options.resume == Resume::AndFailed;
+        let kept: Vec<&written::Line> = written
+            .lines
+            .iter()
+            .filter(|line| line.ok || !retry)
+            .collect();
+        if written.untidy || kept.len() != written.lines.len() {
+            written::replace(path, kept.iter().map(|line| line.text.as_str()))?;
+        }
+        for line in &kept {
+            answered[line.index] = true;
+        }
+        earlier.answered = kept.len();
+        earlier.failed = kept.iter().filter(|line| !line.ok).count();
+        earlier.retried = written.lines.len() - kept.len();
+    }
+    prepared.todo = shard.points(total).filter(|&i| !answered[i]).collect();
+    if !shard.is_whole() {
+        say(&format!(
+            "fluksio-zygote sweep: shard {shard} (from {origin}): {} of {total} points{}",
+            shard.points(total).count(),
+            path.as_deref()
+                .map(|p| format!(", to {}", p.display()))
+                .unwrap_or_default()
+        ));
+    }
+    if let Some(path) = path.as_deref().filter(|_| options.resume != Resume::No) {
+        say(&format!(
+            "fluksio-zygote sweep: resuming: {} {} in {}{}{}, {} to run",
+            earlier.answered,
+            if earlier.answered == 1 {
+                "point is"
+            } else {
+                "points are"
+            },
+            path.display(),
+            if earlier.failed > 0 {
+                format!(
+                    " ({} failed; --retry-failed runs them again)",
+                    earlier.failed
+                )
+            } else {
+                String::new()
+            },
+            if earlier.retried > 0 {
+                format!(", {} failed to run again", earlier.retried)
+            } else {
+                String::new()
+            },
+            prepared.todo.len()
+        ));
+        if prepared.todo.is_empty() {
+            if earlier.failed == 0 {
+                return Ok(Planned::Nothing(ExitCode::SUCCESS));
+            }
+            say(&format!(
+                "fluksio-zygote sweep: nothing to run; {} of the points failed\nhint: \
+                 --retry-failed runs those again",
+                earlier.failed
+            ));
+            return Ok(Planned::Nothing(ExitCode::FAILURE));
+        }
+    }
+    let file = match path.as_deref() {
+        None => None,
+        Some(path) => {
+            let mut open = std::fs::OpenOptions::new();
+            open.create(true).write(true);
+            if options.resume == Resume::No {
+                open.truncate(true);
+            } else {
+                open.append(true);
+            }
+            Some(
+                open.open(path)
+                    .map_err(|e| format!("cannot write --output {}: {e}", path.display()))?,
+            )
+        }
+    };
+    Ok(Planned::Run(file, earlier))
+}
+
+/// What [`plan`] found to do.
+enum Planned {
+    /// Run `todo`, the lines to this file (else stdout).
+    Run(Option<File>, Earlier),
+    /// Nothing: every point is answered already; the exit code.
+    Nothing(ExitCode),
+}
+
+/// What a resumed sweep's file answered before it started.
+#[derive(Default)]
+struct Earlier {
+    answered: usize,
+    failed: usize,
+    /// Failed lines removed to run again (`--retry-failed`).
+    retried: usize,
 }
 
 impl Prepared {
@@ -193,7 +330,12 @@ fn prepare(options: &SweepOptions) -> Result<Prepared, String> {
             Points::Grid(grid::Grid::new(axes, base)?)
         }
     };
-    Ok(Prepared { node, dir, calls })
+    Ok(Prepared {
+        node,
+        dir,
+        calls,
+        todo: Vec::new(),
+    })
 }
 
 /// The node's source, named by the file's stem (`<node sweep.square>` in
@@ -327,9 +469,11 @@ fn sweep(
     (jobs, lanes, timeout): (usize, Option<usize>, Option<Duration>),
     mut out: Output,
     progress: bool,
+    earlier: Earlier,
 ) -> ExitCode {
     let started = Instant::now();
-    let total = prepared.calls.len();
+    let todo = &prepared.todo;
+    let total = todo.len();
     // Each call's share of the CPUs: its BLAS and OpenMP threads.
     zygote::threads::set_calls_in_flight(jobs.min(total));
     let bar = progress.then(|| report::progress_bar(total));
@@ -363,7 +507,7 @@ fn sweep(
         if let Some(signal) = signals::received() {
             break Some(Stop::Signal(signal));
         }
-        if let Err(message) = calls.fill(py, &mut next, total, jobs, &prepared.calls) {
+        if let Err(message) = calls.fill(py, &mut next, todo, jobs, &prepared.calls) {
             break Some(Stop::Failed(message));
         }
         if calls.in_flight() == 0 {
@@ -432,7 +576,8 @@ fn sweep(
                 return fail("sweep", &format!("cannot write the results: {error}"), 1);
             }
             say(&summary.to_string());
-            if summary.failed > 0 {
+            // A resumed file's earlier failures count: the file is the result.
+            if summary.failed + earlier.failed > 0 {
                 ExitCode::FAILURE
             } else {
                 ExitCode::SUCCESS
@@ -455,27 +600,29 @@ impl Runner<'_> {
         }
     }
 
-    /// Starts calls from `next` on, up to `jobs` in flight.
+    /// Starts the calls of `todo` from its `next` on, up to `jobs` in
+    /// flight.
     fn fill(
         &mut self,
         py: Python<'_>,
         next: &mut usize,
-        total: usize,
+        todo: &[usize],
         jobs: usize,
         source: &Points,
     ) -> Result<(), String> {
         match self {
             Runner::Here(calls) => {
-                while calls.in_flight() < jobs && *next < total {
-                    calls.start(py, *next, &source.get(*next))?;
+                while calls.in_flight() < jobs && *next < todo.len() {
+                    let index = todo[*next];
+                    calls.start(py, index, &source.get(index))?;
                     *next += 1;
                 }
-                if *next < total {
+                if *next < todo.len() {
                     calls.replenish(py);
                 }
                 Ok(())
             }
-            Runner::Lanes(lanes) => lanes.fill(next, total, source),
+            Runner::Lanes(lanes) => lanes.fill(next, todo, source),
         }
     }
 
