@@ -117,7 +117,14 @@ pub struct Stats {
     call_seconds: Histogram<14>,
     fork_seconds: Histogram<11>,
     reconnects: AtomicU64,
+    /// A sweep's calls by GPU slot (`--gpus`), and each slot's GPU index
+    /// plus one (0: not an index, a UUID; labelled by position then).
+    gpu_calls: [AtomicU64; GPU_SLOTS],
+    gpu_ids: [AtomicU64; GPU_SLOTS],
 }
+
+/// The most GPUs a sweep's metrics count apart.
+const GPU_SLOTS: usize = 64;
 
 const PAGE: usize = 4096;
 const _: () = assert!(std::mem::size_of::<Stats>() <= PAGE);
@@ -150,6 +157,22 @@ pub fn call_ended(outcome: Outcome, took: Duration) {
     if let Some(stats) = stats() {
         stats.calls[outcome as usize].fetch_add(1, Ordering::Relaxed);
         stats.call_seconds.observe(&CALL_BUCKETS, took);
+    }
+}
+
+/// A sweep's GPUs, in `--gpus` order (no-op without `--metrics`).
+pub fn name_gpus(ids: &[String]) {
+    if let Some(stats) = stats() {
+        for (slot, id) in stats.gpu_ids.iter().zip(ids) {
+            slot.store(id.parse::<u64>().map_or(0, |i| i + 1), Ordering::Relaxed);
+        }
+    }
+}
+
+/// A sweep's call ended on the GPU at `position` in `--gpus`.
+pub fn gpu_call_ended(position: usize) {
+    if let Some(slot) = stats().and_then(|stats| stats.gpu_calls.get(position)) {
+        slot.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -513,6 +536,38 @@ impl prometheus_client::collector::Collector for Collect {
             "Forking a child from the zygote, as the zygote sees it",
             stats.fork_seconds.snapshot(&FORK_BUCKETS),
         )?;
+        let named = stats
+            .gpu_ids
+            .iter()
+            .filter(|id| id.load(Ordering::Relaxed) > 0)
+            .count();
+        let counted = stats
+            .gpu_calls
+            .iter()
+            .filter(|n| n.load(Ordering::Relaxed) > 0)
+            .count();
+        if named + counted > 0 {
+            let mut by_gpu = encoder.encode_descriptor(
+                "fluksio_sweep_gpu_calls",
+                "A sweep's calls by the GPU they ran on (--gpus): its index, or its position \
+                 in --gpus as #N where it was given by UUID",
+                None,
+                MetricType::Counter,
+            )?;
+            for (position, (count, id)) in stats.gpu_calls.iter().zip(&stats.gpu_ids).enumerate() {
+                let (count, id) = (count.load(Ordering::Relaxed), id.load(Ordering::Relaxed));
+                if count == 0 && id == 0 {
+                    continue;
+                }
+                let label = if id > 0 {
+                    (id - 1).to_string()
+                } else {
+                    format!("#{position}")
+                };
+                let labels = [("gpu", label.as_str())];
+                ConstCounter::new(count).encode(by_gpu.encode_family(&labels)?)?;
+            }
+        }
         let reconnects = ConstCounter::new(stats.reconnects.load(Ordering::Relaxed));
         reconnects.encode(encoder.encode_descriptor(
             "fluksio_reconnects",

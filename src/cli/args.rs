@@ -471,6 +471,23 @@ pub(super) struct SweepArgs {
     #[arg(long, value_name = "SECONDS", value_parser = parse_timeout, help_heading = "Running")]
     pub(super) timeout: Option<std::time::Duration>,
 
+    /// Give each call a GPU of its own: it runs only when one of the GPU's slots is free,
+    /// and sees CUDA_VISIBLE_DEVICES = that GPU alone. IDS: indices or UUIDs, e.g. 0,1,2,3;
+    /// `all`: those in CUDA_VISIBLE_DEVICES where it is set, else every GPU the driver
+    /// lists. The zygote itself never initialises CUDA
+    #[arg(long, value_name = "IDS|all", help_heading = "GPUs")]
+    pub(super) gpus: Option<String>,
+
+    /// Calls in flight on each GPU at once (-j, if smaller, caps them all)
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_per_gpu,
+          requires = "gpus", help_heading = "GPUs")]
+    pub(super) per_gpu: usize,
+
+    /// Each GPU slot's standby children make their CUDA context before their call arrives,
+    /// so that a call's first kernel does not wait for one
+    #[arg(long, requires = "gpus", help_heading = "GPUs")]
+    pub(super) cuda_warm: bool,
+
     #[command(flatten)]
     pub(super) warmup: WarmupArgs,
 
@@ -520,6 +537,15 @@ pub(super) const SWEEP_AFTER_HELP: &str = "Output: one JSON line per call as it 
      a node that does not load, an argument its function does not take, checked before any \
      call); 130 Ctrl-C (143 SIGTERM): the calls in flight ended, the results so far written \
      and summarised; 141 the reader of its output went away (| head), quietly.";
+
+/// `--per-gpu N`: at least one.
+fn parse_per_gpu(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("0 calls per GPU would run nothing; give 1 or more".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{text:?} is not a number of calls")),
+    }
+}
 
 /// `--shard K/N`.
 fn parse_shard(text: &str) -> Result<crate::sweep::shard::Shard, String> {

@@ -116,6 +116,11 @@ pub fn main() -> ExitCode {
             merge: args.merge,
             timeout: args.timeout,
             warmup: args.warmup.warmup,
+            gpus: args.gpus.map(|ids| sweep::GpuSlots {
+                ids: (ids.trim() != "all").then(|| crate::zygote::device::parse_list(&ids)),
+                per_gpu: args.per_gpu,
+                warm: args.cuda_warm,
+            }),
         }),
         Command::Run(args) => sweep::run::run(&RunOptions {
             zygote: args.zygote.options(),

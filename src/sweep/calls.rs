@@ -83,15 +83,18 @@ pub struct Done {
     pub index: usize,
     pub answer: Answer,
     pub duration: Duration,
+    /// The GPU slot it ran in (`--gpus`): the position of its GPU.
+    pub gpu: Option<usize>,
 }
 
 impl Done {
     /// A call forked in another process (a lane, `super::lanes`).
-    pub fn answered(index: usize, duration: Duration, answer: Answer) -> Done {
+    pub fn answered(index: usize, duration: Duration, answer: Answer, gpu: Option<usize>) -> Done {
         Done {
             index,
             answer,
             duration,
+            gpu,
         }
     }
 }
@@ -317,6 +320,7 @@ impl<'a> Calls<'a> {
             index,
             answer,
             duration,
+            gpu: None,
         }
     }
 
@@ -355,6 +359,7 @@ impl<'a> Calls<'a> {
             index,
             answer,
             duration,
+            gpu: None,
         })
     }
 

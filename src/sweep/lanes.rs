@@ -35,6 +35,7 @@ use crate::poll_set::{Key, PollSet};
 use crate::protocol::Op;
 use crate::zygote::Zygote;
 use crate::zygote::app::{self, NodeZygote};
+use crate::zygote::device::Gpu;
 use crate::zygote::node::NodeKey;
 use crate::zygote::server::{self, Contract};
 
@@ -58,6 +59,8 @@ pub fn shape(jobs: usize, lanes: Option<usize>) -> (usize, usize) {
 /// The sweep's side of one lane.
 struct Lane {
     lane: NodeZygote,
+    /// Its GPU slot's position in `--gpus`.
+    gpu: Option<usize>,
     receiver: Receiver,
     /// Its calls in flight, by point index.
     calls: HashMap<usize, InFlight>,
@@ -85,21 +88,25 @@ pub struct Lanes {
 
 impl Lanes {
     /// Forks `count` lanes from `zygote`, which has `node` loaded; each
-    /// serves `per_lane` calls in flight, each ended past `timeout`.
+    /// serves `per_lane` calls in flight, each ended past `timeout`. With
+    /// `gpus`, one lane per GPU, its children seeing that GPU alone.
     pub fn start(
         py: Python<'_>,
         zygote: &mut Zygote,
         node: &Node,
         (count, per_lane): (usize, usize),
         timeout: Option<Duration>,
+        gpus: &[Gpu],
     ) -> Result<Lanes, String> {
+        let count = if gpus.is_empty() { count } else { gpus.len() };
         let key = NodeKey {
             flow: node.flow.clone(),
             node: node.name.clone(),
         };
         let mut lanes = Vec::with_capacity(count);
-        for _ in 0..count {
-            let lane = server::spawn_node_zygote(py, zygote, &key, Contract::Worker, None)
+        for position in 0..count {
+            let gpu = gpus.get(position);
+            let lane = server::spawn_node_zygote(py, zygote, &key, Contract::Worker, None, gpu)
                 .map_err(|e| format!("could not fork a lane: {e}"))?;
             crate::fds::set_nonblocking(lane.link.as_raw_fd());
             // Fds wait in it claimed: no child forked here may hold one.
@@ -108,6 +115,7 @@ impl Lanes {
             let pid = lane.pid;
             lanes.push(Lane {
                 lane,
+                gpu: gpu.map(|_| position),
                 receiver,
                 calls: HashMap::new(),
             });
@@ -321,7 +329,7 @@ impl Lane {
             // after the call is over.
             let replied = call.answer.replied_at().unwrap_or_else(Instant::now);
             let duration = replied - call.sent;
-            done.push(Done::answered(index, duration, call.answer));
+            done.push(Done::answered(index, duration, call.answer, self.gpu));
         }
     }
 }

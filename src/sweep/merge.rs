@@ -4,7 +4,6 @@
 //! counted and named, with the command that runs it.
 
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 
 use super::points::Points;
 use super::shard::Shard;
@@ -13,24 +12,8 @@ use super::written;
 /// How many missing points the report names.
 const LISTED: usize = 10;
 
-/// Merges the shard files of `output` (the sweep's `-o`) into it; the
-/// report goes to stderr. Exit 0 when every point is there and succeeded,
-/// 1 when one is missing or failed, 2 when the files cannot be merged.
-pub fn run(output: &Path, points: &Points) -> ExitCode {
-    match merge(output, points) {
-        Ok(report) => {
-            super::say(&report.to_string());
-            if report.missing.is_empty() && report.failed == 0 {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        Err(message) => super::fail("sweep --merge", &message, 2),
-    }
-}
-
-struct Report {
+/// What a merge found.
+pub struct Report {
     output: PathBuf,
     shards: usize,
     files: usize,
@@ -41,7 +24,8 @@ struct Report {
     absent: Vec<Shard>,
 }
 
-fn merge(output: &Path, points: &Points) -> Result<Report, String> {
+/// Merges the shard files of `output` (the sweep's `-o`) into it.
+pub fn merge(output: &Path, points: &Points) -> Result<Report, String> {
     let found = shard_files(output)?;
     let Some(count) = found.first().map(|(shard, _)| shard.count) else {
         return Err(format!(
@@ -131,6 +115,13 @@ fn shard_files(output: &Path) -> Result<Vec<(Shard, PathBuf)>, String> {
     }
     found.sort_by_key(|(shard, _)| (shard.count, shard.index));
     Ok(found)
+}
+
+impl Report {
+    /// Every point is there, and succeeded.
+    pub fn is_complete(&self) -> bool {
+        self.missing.is_empty() && self.failed == 0
+    }
 }
 
 impl std::fmt::Display for Report {

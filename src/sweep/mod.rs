@@ -40,6 +40,7 @@ use pyo3::prelude::*;
 use serde_json::Value;
 
 use crate::protocol::Op;
+use crate::zygote::device::{self, Gpu};
 use crate::zygote::{self, Zygote, ZygoteOptions};
 use calls::{Calls, Node};
 use kwargs::Kwargs;
@@ -75,6 +76,59 @@ pub struct SweepOptions {
     pub timeout: Option<std::time::Duration>,
     /// The node called once in its zygote before any call is forked.
     pub warmup: Option<Warmup>,
+    /// `--gpus`: a call runs only in a free slot of a GPU, seeing it alone.
+    pub gpus: Option<GpuSlots>,
+}
+
+/// `--gpus`, `--per-gpu`, `--cuda-warm`.
+#[derive(Debug, Clone)]
+pub struct GpuSlots {
+    /// The devices, as `CUDA_VISIBLE_DEVICES` names them; `None` is `all`.
+    pub ids: Option<Vec<String>>,
+    /// Calls in flight on each GPU at most.
+    pub per_gpu: usize,
+    /// Each slot's standby children make their CUDA context ahead.
+    pub warm: bool,
+}
+
+impl GpuSlots {
+    /// One lane's GPU per device, checked: `all` read here, `--cuda-warm`
+    /// only where a driver is loaded, and not under `--isolation node`.
+    fn resolve(&self, options: &SweepOptions) -> Result<Vec<Gpu>, String> {
+        if options.zygote.isolation == crate::zygote::resident::Isolation::Node {
+            return Err(
+                "--gpus serves each call in a fresh child of its GPU's lane; under \
+                        --isolation node a resident child would keep the GPU it started on\n\
+                        hint: leave out --isolation node, or --gpus (and set \
+                        CUDA_VISIBLE_DEVICES yourself)"
+                    .into(),
+            );
+        }
+        let ids = match &self.ids {
+            Some(ids) => ids.clone(),
+            None => device::all_gpus()?,
+        };
+        if ids.is_empty() {
+            return Err(
+                "--gpus names no GPU\nhint: give their indices, e.g. --gpus 0,1, or \
+                        --gpus all"
+                    .into(),
+            );
+        }
+        if self.warm && !device::driver_loaded() {
+            return Err("--cuda-warm: no NVIDIA driver is loaded here \
+                        (/proc/driver/nvidia/version is missing), so no CUDA context can be \
+                        made ahead\nhint: leave out --cuda-warm"
+                .into());
+        }
+        Ok(ids
+            .into_iter()
+            .map(|id| Gpu {
+                id,
+                warm: self.warm,
+            })
+            .collect())
+    }
 }
 
 /// What a sweep does with the points its output file answers already.
@@ -111,8 +165,24 @@ pub fn run(options: &SweepOptions) -> ExitCode {
             .output
             .as_deref()
             .expect("--merge requires --output");
-        return merge::run(output, &prepared.calls);
+        // Exit 1 where a point is missing or failed, as a sweep's.
+        return match merge::merge(output, &prepared.calls) {
+            Ok(report) => {
+                say(&report.to_string());
+                if report.is_complete() {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                }
+            }
+            Err(message) => fail("sweep --merge", &message, 2),
+        };
     }
+    let gpus = match options.gpus.as_ref().map(|slots| slots.resolve(options)) {
+        None => Vec::new(),
+        Some(Ok(gpus)) => gpus,
+        Some(Err(message)) => return fail("sweep", &message, 2),
+    };
     let (output, earlier) = match plan(options, &mut prepared) {
         Ok(Planned::Run(output, earlier)) => (output, earlier),
         Ok(Planned::Nothing(code)) => return code,
@@ -162,11 +232,24 @@ pub fn run(options: &SweepOptions) -> ExitCode {
                 return fail("sweep", &message, 2);
             }
             signals::reinstall();
-            let jobs = options
-                .jobs
-                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-                .max(1);
-            let shape = (jobs, options.lanes, options.timeout);
+            let jobs = match &options.gpus {
+                // At most one call per slot; -j may ask for fewer.
+                Some(slots) => options
+                    .jobs
+                    .unwrap_or(usize::MAX)
+                    .min(gpus.len() * slots.per_gpu),
+                None => options
+                    .jobs
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            }
+            .max(1);
+            let shape = Shape {
+                jobs,
+                lanes: options.lanes,
+                timeout: options.timeout,
+                gpus: &gpus,
+            };
+            crate::metrics::name_gpus(&gpus.iter().map(|gpu| gpu.id.clone()).collect::<Vec<_>>());
             let code = sweep(py, zygote, &prepared, shape, out, progress, earlier);
             zygote.shutdown();
             code
@@ -414,7 +497,13 @@ fn load(
         if !error.traceback.is_empty() {
             let _ = write!(std::io::stderr(), "{}", error.traceback);
         }
-        return Err(format!("the node does not load: {}", error.short));
+        // Our own refusals' `short` is the bare message: their type first.
+        let short = if error.kind.is_empty() || error.short.starts_with(&error.kind) {
+            error.short
+        } else {
+            format!("{}: {}", error.kind, error.short)
+        };
+        return Err(format!("the node does not load: {short}"));
     }
     if warmup.is_some()
         && let Some(why) = zygote.warmup_refusal(&node.flow, &node.name)
@@ -460,13 +549,30 @@ enum Stop {
     Failed(String),
 }
 
-/// Runs every call, `jobs` in flight, from `lanes` lanes, each ended past
-/// `timeout`; writes the lines and the summary; the exit code.
+/// How a sweep's calls run.
+struct Shape<'a> {
+    /// In flight at once.
+    jobs: usize,
+    /// `--lanes`.
+    lanes: Option<usize>,
+    /// Each ended past it.
+    timeout: Option<Duration>,
+    /// One lane per GPU, `jobs` shared among them.
+    gpus: &'a [Gpu],
+}
+
+/// Runs every call as `shape` says; writes the lines and the summary; the
+/// exit code.
 fn sweep(
     py: Python<'_>,
     zygote: &mut Zygote,
     prepared: &Prepared,
-    (jobs, lanes, timeout): (usize, Option<usize>, Option<Duration>),
+    Shape {
+        jobs,
+        lanes,
+        timeout,
+        gpus,
+    }: Shape<'_>,
     mut out: Output,
     progress: bool,
     earlier: Earlier,
@@ -478,11 +584,14 @@ fn sweep(
     zygote::threads::set_calls_in_flight(jobs.min(total));
     let bar = progress.then(|| report::progress_bar(total));
     let mut summary = Summary::new(total, jobs);
+    summary.gpus = gpus.iter().map(|gpu| (gpu.id.clone(), 0)).collect();
     // Under `--isolation node` the sweep hands each call to a resident child
     // itself: a fork per call in flight, not per call, needs no lanes.
     let in_turn = zygote.placement().resident(false);
     let (lane_count, per_lane) = if in_turn {
         (1, jobs)
+    } else if !gpus.is_empty() {
+        (gpus.len(), jobs.div_ceil(gpus.len()))
     } else {
         lanes::shape(jobs.min(total.max(1)), lanes)
     };
@@ -491,9 +600,14 @@ fn sweep(
         calls.set_timeout(timeout);
         Runner::Here(calls)
     };
-    let mut calls = if lane_count > 1 {
-        match lanes::Lanes::start(py, zygote, &prepared.node, (lane_count, per_lane), timeout) {
+    let mut calls = if lane_count > 1 || !gpus.is_empty() {
+        let shape = (lane_count, per_lane);
+        match lanes::Lanes::start(py, zygote, &prepared.node, shape, timeout, gpus) {
             Ok(lanes) => Runner::Lanes(lanes),
+            Err(message) if !gpus.is_empty() => {
+                zygote.shutdown();
+                return fail("sweep", &format!("{message}; no GPU slot could start"), 1);
+            }
             Err(message) => {
                 tracing::warn!("{message}; every call is forked from one zygote");
                 here(zygote)
@@ -523,7 +637,11 @@ fn sweep(
         let mut lines = String::new();
         for done in &finished {
             let kwargs = &prepared.calls.get(done.index);
-            let (line, outcome) = report::line(done, kwargs);
+            let gpu = done.gpu.and_then(|position| gpus.get(position));
+            let (line, outcome) = report::line(done, kwargs, gpu.map(|gpu| gpu.id.as_str()));
+            if let Some(position) = done.gpu {
+                crate::metrics::gpu_call_ended(position);
+            }
             summary.record(done, kwargs, outcome);
             lines.push_str(&line);
             lines.push('\n');

@@ -78,8 +78,8 @@ pub struct Outcome {
 }
 
 /// `{"index", "kwargs", "ok", "result" | "error", "events"?, "logs"?,
-/// "duration_ms"}`, and how the call ended.
-pub fn line(done: &Done, kwargs: &Map<String, Value>) -> (String, Outcome) {
+/// "gpu"?, "duration_ms"}`, and how the call ended.
+pub fn line(done: &Done, kwargs: &Map<String, Value>, gpu: Option<&str>) -> (String, Outcome) {
     let kwargs = Value::Object(kwargs.clone());
     let mut line = format!(r#"{{"index": {}, "kwargs": {kwargs}"#, done.index);
     let reply = serde_json::from_slice::<Reply<'_>>(&done.answer.reply);
@@ -136,6 +136,9 @@ pub fn line(done: &Done, kwargs: &Map<String, Value>) -> (String, Outcome) {
     {
         line += &format!(r#", "logs": {}"#, logs.get());
     }
+    if let Some(gpu) = gpu {
+        line += &format!(r#", "gpu": {}"#, Value::from(gpu));
+    }
     line += &format!(
         r#", "duration_ms": {:.3}}}"#,
         done.duration.as_secs_f64() * 1000.0
@@ -154,6 +157,8 @@ pub struct Summary {
     pub elapsed: Duration,
     pub latencies: Vec<Duration>,
     pub jobs: usize,
+    /// Calls by GPU (`--gpus`), in its order.
+    pub gpus: Vec<(String, usize)>,
     /// The signal that stopped it, and the calls it ended unfinished.
     stopped: Option<Stopped>,
     /// By error type: how many, the first one's message, the first points.
@@ -191,6 +196,7 @@ impl Summary {
             elapsed: Duration::ZERO,
             latencies: Vec::with_capacity(total.min(1 << 16)),
             jobs,
+            gpus: Vec::new(),
             stopped: None,
             failures: BTreeMap::new(),
         }
@@ -218,6 +224,9 @@ impl Summary {
 
     pub fn record(&mut self, done: &Done, kwargs: &Map<String, Value>, outcome: Outcome) {
         self.done += 1;
+        if let Some((_, calls)) = done.gpu.and_then(|position| self.gpus.get_mut(position)) {
+            *calls += 1;
+        }
         self.latencies.push(done.duration);
         if outcome.ok {
             return;
@@ -275,6 +284,12 @@ impl std::fmt::Display for Summary {
             millis(percentile(&self.latencies, 0.99)),
             self.jobs.min(self.total.max(1))
         )?;
+        if !self.gpus.is_empty() {
+            let each: Vec<String> = (self.gpus.iter())
+                .map(|(id, calls)| format!("GPU {id} {calls}"))
+                .collect();
+            write!(f, "\n  calls per GPU: {}", each.join(", "))?;
+        }
         if let Some(stopped) = self.stopped.as_ref().filter(|s| !s.points.is_empty()) {
             let points: Vec<String> = stopped
                 .points
@@ -374,6 +389,7 @@ mod tests {
                 index: x as usize,
                 answer: Default::default(),
                 duration: Duration::from_millis(1),
+                gpu: None,
             };
             let outcome = Outcome {
                 ok: x == 0,

@@ -25,6 +25,9 @@ pub enum TrialVerdict {
     LoadedHeavy,
     /// The source did not load; the reply says why.
     Failed,
+    /// Loaded, and its load made a CUDA context (or opened the driver for
+    /// one), which no fork of it could use (`super::device`).
+    LoadedWithCuda,
 }
 
 impl TrialVerdict {
@@ -32,6 +35,7 @@ impl TrialVerdict {
     const FORK_UNSAFE: i32 = 118;
     const FAILED: i32 = 119;
     const HEAVY: i32 = 120;
+    const CUDA: i32 = 121;
 
     pub(super) fn exit_code(self) -> i32 {
         match self {
@@ -39,6 +43,7 @@ impl TrialVerdict {
             TrialVerdict::LoadedButForkUnsafe => Self::FORK_UNSAFE,
             TrialVerdict::Failed => Self::FAILED,
             TrialVerdict::LoadedHeavy => Self::HEAVY,
+            TrialVerdict::LoadedWithCuda => Self::CUDA,
         }
     }
 
@@ -49,6 +54,7 @@ impl TrialVerdict {
             Self::FORK_UNSAFE => Some(TrialVerdict::LoadedButForkUnsafe),
             Self::FAILED => Some(TrialVerdict::Failed),
             Self::HEAVY => Some(TrialVerdict::LoadedHeavy),
+            Self::CUDA => Some(TrialVerdict::LoadedWithCuda),
             _ => None,
         }
     }

@@ -110,6 +110,10 @@ pub fn serve(
         crate::process::exit_now(system_exit_code(py, error));
     }
     let exit_code = match (call.task, &outcome) {
+        // Before the threads' check: the driver starts threads of its own.
+        (Task::Trial, Ok(_)) if super::device::cuda_in_use(py) => {
+            TrialVerdict::LoadedWithCuda.exit_code()
+        }
         (Task::Trial, Ok(_)) if !fork::forks_safely(py) => {
             TrialVerdict::LoadedButForkUnsafe.exit_code()
         }

@@ -41,5 +41,5 @@ fn spawn_own(
     key: &NodeKey,
     preload: Preload<'_>,
 ) -> std::io::Result<NodeZygote> {
-    server::spawn_node_zygote(py, zygote, key, Contract::Worker, Some(preload))
+    server::spawn_node_zygote(py, zygote, key, Contract::Worker, Some(preload), None)
 }

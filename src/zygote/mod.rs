@@ -30,6 +30,7 @@ pub mod assignment;
 pub mod channel;
 pub mod child;
 mod compiled;
+pub mod device;
 pub mod flight;
 pub mod heavy;
 pub mod learn;
@@ -56,7 +57,7 @@ use pyo3::prelude::*;
 use crate::link::client::LinkLost;
 use crate::output::CallOutput;
 use crate::protocol::{self, Op, Request};
-use assignment::{Assignment, Task};
+use assignment::{Assignment, Task, TrialVerdict};
 use compiled::{Forks, Nodes, Residence};
 use flight::Flight;
 use fluksio_embed::capture::LogBuffer;
@@ -229,7 +230,7 @@ impl Zygote {
                     return Err(stop);
                 }
             };
-            let loading = Loading::after(request, &landed, &mut held);
+            let loading = Loading::after(request, &landed, &mut held, &self.placement);
             let loaded = self.load(py, &key, request, &digest, &loading);
             if request.op == Op::Compile || !loaded {
                 out.reply(held.line());
@@ -299,6 +300,15 @@ impl Zygote {
             }
             (Home::Here | Home::OwnZygote, _) => {
                 self.load_into_zygote(py, key, &request.source, digest, warm);
+                true
+            }
+            (Home::EachChild, _) if loading.verdict == Some(TrialVerdict::LoadedWithCuda) => {
+                tracing::warn!(
+                    "node {key} initialises CUDA while it loads, which no fork of the zygote \
+                     could use: each resident child loads it once, with its own CUDA context"
+                );
+                self.nodes
+                    .remember(key, &request.source, digest, Residence::EachChild);
                 true
             }
             (Home::EachChild, _) => {

@@ -68,7 +68,13 @@ impl Placement {
             }
             Some(TrialVerdict::Loaded | TrialVerdict::LoadedHeavy) => Home::Here,
             Some(TrialVerdict::LoadedButForkUnsafe) => Home::EachChild,
-            Some(TrialVerdict::Failed) | None => Home::Nowhere,
+            // Each resident makes its own context once and keeps it; a
+            // fresh child per call would make one per call (seconds each),
+            // so there it is refused, with the reasons (`trial`).
+            Some(TrialVerdict::LoadedWithCuda) if self.isolation == Isolation::Node => {
+                Home::EachChild
+            }
+            Some(TrialVerdict::LoadedWithCuda | TrialVerdict::Failed) | None => Home::Nowhere,
         }
     }
 
@@ -110,6 +116,12 @@ mod tests {
             Home::EachChild
         );
         assert_eq!(worker.home(Some(TrialVerdict::Failed)), Home::Nowhere);
+        let cuda = Some(TrialVerdict::LoadedWithCuda);
+        assert_eq!(worker.home(cuda), Home::Nowhere);
+        assert_eq!(
+            placement(NodeZygotes::Heavy, Isolation::Node).home(cuda),
+            Home::EachChild
+        );
         assert!(!worker.own_zygote_first());
         assert!(placement(NodeZygotes::Every, Isolation::Call).own_zygote_first());
         let in_turn = placement(NodeZygotes::None, Isolation::Node);

@@ -358,6 +358,7 @@ impl Children {
                 super::threads::forget_shared_page();
                 fork::become_call_child(origin.pid);
                 child::stand_by(py, &logs, origin.nodes.loaded_functions());
+                super::device::warm_standby(py);
                 assignment::wait_for_call(&go);
                 drop(go);
                 let assignment = assignment::receive(control_read.as_raw_fd());

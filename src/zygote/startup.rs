@@ -104,6 +104,7 @@ pub fn boot(options: &ZygoteOptions) -> Result<(), StartupError> {
     };
     config.check().map_err(StartupError::Interpreter)?;
     signals::before_interpreter();
+    super::device::answer_availability_from_nvml();
     config.initialize().map_err(StartupError::Interpreter)?;
     Ok(())
 }

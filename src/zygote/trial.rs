@@ -6,10 +6,21 @@ use nix::unistd::Pid;
 
 use super::assignment::TrialVerdict;
 use super::flight::Landed;
+use super::placement::{Home, Placement};
 use super::warmup;
 use crate::end::End;
 use crate::output::CallOutput;
 use crate::protocol::{Op, Request};
+
+/// The error type of a node refused for the CUDA context its load makes.
+pub const CUDA_AT_LOAD: &str = "NodeInitialisesCuda";
+
+const CUDA_AT_LOAD_MESSAGE: &str = "the node initialises CUDA while it loads (a .cuda(), a tensor \
+     or array on the GPU, at module level), and a CUDA context does not survive a fork: under \
+     --isolation call each call's child would load the node and make its own context again \
+     (seconds each). Make the GPU work happen in the function (load the model on the first \
+     call and keep it in a global), or run with --isolation node (FLUKSIO_ISOLATION=node), \
+     where each resident child loads the node once and serves its calls in turn";
 
 /// The held-back reply of a trial: a run serves its own reply after it.
 #[derive(Default)]
@@ -74,6 +85,7 @@ impl<'r> Loading<'r> {
         request: &'r Request,
         landed: &Landed,
         held: &mut HeldReply,
+        placement: &Placement,
     ) -> Loading<'r> {
         let verdict = match landed.reaped.end {
             crate::process::ChildEnd::Exited(code) if landed.replied => {
@@ -91,6 +103,17 @@ impl<'r> Loading<'r> {
                 landed.reaped.end
             );
             held.line = End::Lost(message).reply(&request.id, &request.call_id, "");
+        }
+        if verdict == Some(TrialVerdict::LoadedWithCuda) && placement.home(verdict) == Home::Nowhere
+        {
+            held.line = crate::protocol::failure_line(
+                &request.id,
+                &request.call_id,
+                CUDA_AT_LOAD,
+                CUDA_AT_LOAD_MESSAGE,
+                CUDA_AT_LOAD_MESSAGE,
+                "",
+            );
         }
         Loading {
             verdict,

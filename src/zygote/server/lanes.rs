@@ -85,7 +85,7 @@ impl Server {
         };
         let contract = self.contract;
         let pending = self.pending_held();
-        let forked = super::spawn_node_zygote(py, zygote, &key, contract, None);
+        let forked = super::spawn_node_zygote(py, zygote, &key, contract, None, None);
         drop(pending);
         let Some(socket) = self.socket_of(id) else {
             if let Ok(lane) = forked {

@@ -136,7 +136,8 @@ fn serve_links(
 }
 
 /// Forks a zygote of its own for node `key`. It loads `preload` first (if
-/// given), then serves the link under `contract` until the link closes.
+/// given), then serves the link under `contract` until the link closes;
+/// with `gpu`, its children see that GPU alone (a sweep's GPU slot).
 /// Returns in the parent only.
 pub(crate) fn spawn_node_zygote(
     py: Python<'_>,
@@ -144,8 +145,15 @@ pub(crate) fn spawn_node_zygote(
     key: &NodeKey,
     contract: Contract,
     preload: Option<app::Preload<'_>>,
+    gpu: Option<&super::device::Gpu>,
 ) -> std::io::Result<NodeZygote> {
     app::fork_own(py, zygote, key, |py, zygote, link| {
+        if let Some(gpu) = gpu
+            && let Err(error) = super::device::take(py, gpu)
+        {
+            tracing::error!("could not give a lane GPU {}: {error}", gpu.id);
+            return 1;
+        }
         if let Some(preload) = preload {
             zygote.load_into_zygote(py, key, preload.source, preload.digest, preload.warm);
         }

@@ -116,7 +116,7 @@ impl Server {
         }
         self.retire_one();
         let pending = self.pending_held();
-        let node_zygote = spawn_node_zygote(py, zygote, key, self.contract, None)?;
+        let node_zygote = spawn_node_zygote(py, zygote, key, self.contract, None, None)?;
         drop(pending);
         crate::fds::set_nonblocking(node_zygote.raw_link());
         let pid = node_zygote.pid;
