@@ -527,7 +527,7 @@ pub(super) struct SweepArgs {
 /// `sweep --help`, after the options.
 pub(super) const SWEEP_AFTER_HELP: &str = "Output: one JSON line per call as it ends (completion order): {\"index\", \"kwargs\", \
      \"ok\", \"result\" or \"error\", \"events\" (what it yielded or emitted), \"logs\" (what \
-     it printed), \"duration_ms\"}. On stderr a progress bar when stdout and stderr are a \
+     it printed), \"gpu\" (under --gpus), \"duration_ms\"}. On stderr a progress bar when stdout and stderr are a \
      terminal, and a summary listing the failures by error type.\n\n\
      Examples:\n  \
      fluksio-zygote sweep examples/square.py --grid x=0..999\n  \
