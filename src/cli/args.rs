@@ -455,8 +455,9 @@ pub(super) struct SweepArgs {
     #[arg(long, value_name = "JSON", help_heading = "Calls")]
     pub(super) kwargs: Option<String>,
 
-    /// Calls in flight at once [default: the number of CPUs]. Each call's BLAS and OpenMP
-    /// pools get the CPUs ÷ N threads, at least 1 (--threads-per-call sets it)
+    /// Calls in flight at once [default: the number of CPUs, under SLURM those of the task:
+    /// SLURM_CPUS_PER_TASK]. Each call's BLAS and OpenMP pools get the CPUs ÷ N threads, at
+    /// least 1 (--threads-per-call sets it)
     #[arg(long, short = 'j', value_name = "N", value_parser = parse_jobs, help_heading = "Running")]
     pub(super) jobs: Option<usize>,
 

@@ -48,9 +48,7 @@ const WAKE_MS: u64 = 200;
 /// most one per call.
 pub fn shape(jobs: usize, lanes: Option<usize>) -> (usize, usize) {
     let lanes = lanes
-        .unwrap_or_else(|| {
-            app::default_lanes(std::thread::available_parallelism().map_or(1, |n| n.get()))
-        })
+        .unwrap_or_else(|| app::default_lanes(crate::zygote::threads::cpus()))
         .min(jobs)
         .max(1);
     (lanes, jobs.div_ceil(lanes))

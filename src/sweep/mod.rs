@@ -238,9 +238,7 @@ pub fn run(options: &SweepOptions) -> ExitCode {
                     .jobs
                     .unwrap_or(usize::MAX)
                     .min(gpus.len() * slots.per_gpu),
-                None => options
-                    .jobs
-                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+                None => options.jobs.unwrap_or_else(zygote::threads::cpus),
             }
             .max(1);
             let shape = Shape {

@@ -111,10 +111,19 @@ fn calls_in_flight() -> usize {
     unsafe { (*page).load(Ordering::Relaxed) }.max(1)
 }
 
-/// The CPUs this process may run on (its affinity and its cgroup's quota).
+/// The CPUs this process may run on (its affinity and its cgroup's quota),
+/// and under SLURM no more than its task was given: a cluster that does
+/// not pin tasks to their CPUs leaves the whole node in reach.
 pub fn cpus() -> usize {
     static CPUS: OnceLock<usize> = OnceLock::new();
-    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    *CPUS.get_or_init(|| {
+        let reachable = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let given = ["SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"]
+            .iter()
+            .find_map(|name| std::env::var(name).ok()?.trim().parse::<usize>().ok())
+            .filter(|&given| given > 0);
+        given.map_or(reachable, |given| given.min(reachable))
+    })
 }
 
 /// Threads one call gets: `--threads-per-call`, else its share of the CPUs.
