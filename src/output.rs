@@ -19,6 +19,9 @@ pub trait CallOutput {
     fn reply(&mut self, line: &[u8]);
     /// A child was forked for the call (a trial, then the run, say).
     fn started(&mut self, _pid: Pid) {}
+    /// The call ended without a reply of its node's, as `end` says (the
+    /// reply for it comes next).
+    fn ended_without_reply(&mut self, _end: &crate::end::End) {}
 }
 
 /// A call's pipe split into its lines: events until the reply, and nothing

@@ -169,6 +169,79 @@ fn a_sweep_killed_at_random_moments_and_resumed_has_every_point_exactly_once() {
     assert_eq!(processes_naming(&dir), Vec::<i32>::new(), "left running");
 }
 
+/// `pid` and every process below it, deepest first.
+fn tree_of(pid: i32) -> Vec<i32> {
+    let mut tree = Vec::new();
+    for (child, _) in common::children_of(pid) {
+        tree.extend(tree_of(child));
+    }
+    tree.push(pid);
+    tree
+}
+
+/// A scheduler's cancel (`scancel`, a preemption) signals every process of
+/// the job, the calls' children as well as the sweep, in an order of its
+/// own: a call ended by that signal is the stop's, not a failed point, and
+/// `--resume` runs it again. Both orders, a few times each.
+#[test]
+fn a_job_signalled_whole_leaves_no_failed_point_and_resumes_to_complete() {
+    let dir = scratch("resume-job-signal");
+    let node = node(
+        &dir,
+        "import time\ndef process(x):\n    time.sleep(0.05)\n    return x * 3\n",
+    );
+    for trial in 0..6 {
+        let calls_first = trial % 2 == 0;
+        let out = dir.join(format!("results-{trial}.jsonl"));
+        let args = ["--grid", "x=0..99", "-j", "2", "-o", out.to_str().unwrap()];
+        let mut sweep_process = command(&node, &args, &[])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = sweep_process.id() as i32;
+        // Calls in flight: a few lines written.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::fs::read_to_string(&out).map_or(0, |t| t.lines().count()) < 4 {
+            assert!(Instant::now() < deadline, "the sweep wrote no lines");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut tree = tree_of(pid);
+        if !calls_first {
+            tree.reverse();
+        }
+        for process in tree {
+            // SAFETY: kill with a pid read from /proc.
+            unsafe { libc::kill(process, libc::SIGTERM) };
+        }
+        let status = sweep_process.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::into_raw(status) >> 8,
+            128 + libc::SIGTERM,
+            "trial {trial}: the sweep stops as SIGTERM asks"
+        );
+        let partial = by_index(&out);
+        for line in partial.values() {
+            assert_eq!(
+                line["ok"], true,
+                "trial {trial} (calls first: {calls_first}): {line}"
+            );
+        }
+        let resumed = sweep(&node, &[&args[..], &["--resume"]].concat());
+        assert!(
+            resumed.status.success(),
+            "trial {trial}: {}",
+            stderr(&resumed)
+        );
+        let lines = by_index(&out);
+        assert_eq!(
+            lines.keys().copied().collect::<Vec<_>>(),
+            (0..100).collect::<Vec<_>>()
+        );
+        assert!(lines.iter().all(|(i, l)| l["result"] == i * 3));
+    }
+}
+
 #[test]
 fn a_line_cut_by_a_kill_is_dropped_and_its_point_runs_again() {
     let dir = scratch("resume-cut");

@@ -198,6 +198,7 @@ impl<P: CallPipe> Follower<P> {
             self.after_lines(too_large, out);
         }
         if !self.over {
+            out.ended_without_reply(&end);
             out.reply(&end.reply(&self.id, &self.call_id, logs));
             self.over = true;
         }

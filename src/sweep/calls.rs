@@ -13,6 +13,7 @@ use serde_json::{Map, Value};
 use crate::end::End;
 use crate::output::CallOutput;
 use crate::poll_set::PollSet;
+use crate::process::ChildEnd;
 use crate::protocol::{Op, Request};
 use crate::zygote::flight::{Flight, Watched};
 use crate::zygote::resident::Resident;
@@ -57,12 +58,21 @@ pub struct Answer {
     pub events: Vec<Vec<u8>>,
     pub reply: Vec<u8>,
     replied_at: Option<Instant>,
+    /// The signal that ended its process before it replied, if one did
+    /// and the runtime did not send it.
+    killed_by: Option<Signal>,
 }
 
 impl Answer {
     /// When its reply came, if it has.
     pub fn replied_at(&self) -> Option<Instant> {
         self.replied_at
+    }
+
+    /// The signal that ended its process before it replied, if one did
+    /// and the runtime did not send it (a crash, a kill from outside).
+    pub fn killed_by(&self) -> Option<Signal> {
+        self.killed_by
     }
 }
 
@@ -74,6 +84,12 @@ impl CallOutput for Answer {
     fn reply(&mut self, line: &[u8]) {
         self.reply = line.to_vec();
         self.replied_at = Some(Instant::now());
+    }
+
+    fn ended_without_reply(&mut self, end: &End) {
+        if let End::Process(ChildEnd::Signaled(signal)) = end {
+            self.killed_by = Some(*signal);
+        }
     }
 }
 
@@ -346,11 +362,9 @@ impl<'a> Calls<'a> {
         } else if let (false, true, Some(timeout)) = (landed.replied, overdue, self.timeout) {
             answer.reply(&End::TimedOut(timeout).reply(&id, "", &landed.logs.text_lossy()));
         } else if !landed.replied {
-            answer.reply(&End::Process(landed.reaped.end).reply(
-                &id,
-                "",
-                &landed.logs.text_lossy(),
-            ));
+            let end = End::Process(landed.reaped.end);
+            answer.ended_without_reply(&end);
+            answer.reply(&end.reply(&id, "", &landed.logs.text_lossy()));
         }
         self.zygote.recycle(landed.logs);
         log.end(Some(&answer.reply));

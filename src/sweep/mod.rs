@@ -36,13 +36,14 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
 use pyo3::prelude::*;
 use serde_json::Value;
 
 use crate::protocol::Op;
 use crate::zygote::device::{self, Gpu};
 use crate::zygote::{self, Zygote, ZygoteOptions};
-use calls::{Calls, Node};
+use calls::{Calls, Done, Node};
 use kwargs::Kwargs;
 use points::Points;
 use report::{Reply, Summary};
@@ -547,6 +548,36 @@ enum Stop {
     Failed(String),
 }
 
+/// The signals a scheduler or a terminal sends every process of a job to
+/// end it: SLURM's `scancel` and preemption, a closed terminal.
+const JOB_SIGNALS: [Signal; 3] = [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP];
+
+/// How long a call killed by one of [`JOB_SIGNALS`] waits for the sweep's
+/// own: the scheduler signals the job's processes one by one.
+const STOP_GRACE: Duration = Duration::from_millis(250);
+
+/// `finished` less the calls that the signal stopping the sweep ended: a
+/// scheduler that cancels a job signals every process in it, our calls'
+/// children too, and such a call's end is the stop's, not its point's. Left
+/// unwritten (their indices go to `cut_short`), `--resume` runs them again.
+fn leave_to_the_stop(finished: Vec<Done>, cut_short: &mut Vec<usize>) -> Vec<Done> {
+    let by_job_signal =
+        |done: &Done| (done.answer.killed_by()).is_some_and(|signal| JOB_SIGNALS.contains(&signal));
+    if !finished.iter().any(by_job_signal) {
+        return finished;
+    }
+    let waited = Instant::now();
+    while signals::received().is_none() && waited.elapsed() < STOP_GRACE {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if signals::received().is_none() {
+        return finished;
+    }
+    let (theirs, kept): (Vec<Done>, Vec<Done>) = finished.into_iter().partition(by_job_signal);
+    cut_short.extend(theirs.iter().map(|done| done.index));
+    kept
+}
+
 /// How a sweep's calls run.
 struct Shape<'a> {
     /// In flight at once.
@@ -615,6 +646,8 @@ fn sweep(
         here(zygote)
     };
     let mut next = 0;
+    // Calls ended by the signal that stops the sweep: not written.
+    let mut cut_short = Vec::new();
     let stop = loop {
         if let Some(signal) = signals::received() {
             break Some(Stop::Signal(signal));
@@ -629,6 +662,7 @@ fn sweep(
             Ok(finished) => finished,
             Err(message) => break Some(Stop::Failed(message)),
         };
+        let finished = leave_to_the_stop(finished, &mut cut_short);
         if finished.is_empty() {
             continue;
         }
@@ -660,7 +694,9 @@ fn sweep(
             bar.set_message(format!("{} failed", summary.failed));
         }
     };
-    let ended = calls.stop();
+    let mut ended = calls.stop();
+    ended.extend(cut_short);
+    ended.sort_unstable();
     drop(calls);
     if let Some(bar) = &bar {
         bar.finish_and_clear();
