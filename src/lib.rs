@@ -35,6 +35,7 @@ pub mod poll_set;
 pub mod process;
 pub mod protocol;
 pub mod python_str;
+pub mod reset;
 pub mod scrub;
 pub mod slot;
 pub mod sweep;

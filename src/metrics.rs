@@ -121,6 +121,8 @@ pub struct Stats {
     /// plus one (0: not an index, a UUID; labelled by position then).
     gpu_calls: [AtomicU64; GPU_SLOTS],
     gpu_ids: [AtomicU64; GPU_SLOTS],
+    /// `--isolation reset`: residents that could not be put back.
+    reset_retired: AtomicU64,
 }
 
 /// The most GPUs a sweep's metrics count apart.
@@ -182,6 +184,22 @@ pub fn forked(took: Duration) {
         stats.fork_seconds.observe(&FORK_BUCKETS, took);
     }
 }
+
+/// A resident could not be put back after its call (`--isolation reset`):
+/// a fresh fork serves the next.
+pub fn reset_retired() {
+    RESET_RETIRED.fetch_add(1, Ordering::Relaxed);
+    if let Some(stats) = stats() {
+        stats.reset_retired.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Residents of this process that could not be put back, so far.
+pub fn reset_retired_so_far() -> u64 {
+    RESET_RETIRED.load(Ordering::Relaxed)
+}
+
+static RESET_RETIRED: AtomicU64 = AtomicU64::new(0);
 
 /// The agent is connecting again after losing (or failing) a connection.
 pub fn reconnecting() {
@@ -536,6 +554,14 @@ impl prometheus_client::collector::Collector for Collect {
             "Forking a child from the zygote, as the zygote sees it",
             stats.fork_seconds.snapshot(&FORK_BUCKETS),
         )?;
+        let retired = ConstCounter::new(stats.reset_retired.load(Ordering::Relaxed));
+        retired.encode(encoder.encode_descriptor(
+            "fluksio_reset_retired",
+            "Residents under --isolation reset that a call left in a state they cannot be \
+             put back from (a fresh fork served the next call)",
+            None,
+            retired.metric_type(),
+        )?)?;
         let named = stats
             .gpu_ids
             .iter()

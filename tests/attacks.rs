@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::agent::{Agent, WAIT};
 use common::engine::{Answer, Engine};
-use common::{Worker, run};
+use common::{MEMORY_SCAN, Worker, masked, run};
 use serde_json::{Value, json};
 
 /// What the victim prints, for the attacker to look for.
@@ -280,47 +280,6 @@ fn in_a_sweep_one_point_cannot_kill_or_forge_another_in_flight() {
             }
         }
     }
-}
-
-/// Searches every readable page of its own memory for `needle` (sent
-/// masked, so the only copy the scan makes itself is skipped by address),
-/// and names the mappings it was found in.
-const MEMORY_SCAN: &str = r#"import ctypes
-def process(masked):
-    needle = bytes(b ^ 0x5A for b in bytes.fromhex(masked))
-    own = id(needle) + 32  # a bytes object's data follows its 32-byte header
-    buf = bytearray(1 << 20)
-    base = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
-    hits = []
-    with open("/proc/self/mem", "rb", buffering=0) as mem:
-        for line in open("/proc/self/maps"):
-            fields = line.split()
-            if "r" not in fields[1] or fields[-1] in ("[vvar]", "[vsyscall]"):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            at = start
-            while at < end:
-                want = min(len(buf), end - at)
-                try:
-                    mem.seek(at)
-                    got = mem.readinto(memoryview(buf)[:want])
-                except OSError:
-                    break
-                i = buf.find(needle, 0, got)
-                while i >= 0:
-                    if at + i != own and not base <= at + i < base + len(buf):
-                        hits.append(fields[-1] if len(fields) > 5 else "anonymous")
-                    i = buf.find(needle, i + 1, got)
-                # Overlap the chunks, so a needle across a boundary is found.
-                at += max(got - len(needle), 1) if got == want else want
-    return hits
-"#;
-
-fn masked(secret: &str) -> String {
-    secret
-        .bytes()
-        .map(|b| format!("{:02x}", b ^ 0x5A))
-        .collect()
 }
 
 #[test]

@@ -430,6 +430,13 @@ fn every_case_matches_the_reference_with_a_child_per_node() {
     every_case_matches(&["--isolation", "node"], &[], &[]);
 }
 
+/// With a child per node put back after each call (`--isolation reset`):
+/// the same replies.
+#[test]
+fn every_case_matches_the_reference_with_a_child_per_node_put_back() {
+    every_case_matches(&["--isolation", "reset"], &[], &[]);
+}
+
 fn every_case_matches(args: &[&str], env: &[(&str, &str)], differ_by_design: &[&str]) {
     let cases: Vec<Case> = corpus()
         .into_iter()

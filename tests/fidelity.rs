@@ -59,16 +59,59 @@ fn outcomes(mut command: Command, what: &str) -> BTreeMap<String, String> {
 fn cpython_and_numpy_suites_end_the_same_in_a_node_as_under_python3() {
     let node = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fidelity/suites.py");
     let args = selection().to_string();
+    let mut command = Command::new(common::ZYGOTE);
+    command.arg("run").arg(&node).arg("--kwargs").arg(&args);
+    compare_with_python3(&node, &args, || outcomes(command, "the node"));
+}
+
+/// Under `--isolation reset`, in a child put back after an earlier call
+/// of the node: the same outcomes.
+#[test]
+fn the_suites_end_the_same_in_a_child_put_back_after_an_earlier_call() {
+    let node = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fidelity/suites.py");
+    let args = selection().to_string();
+    let dir = common::scratch("fidelity-reset");
+    let input = dir.join("points.jsonl");
+    let earlier = serde_json::json!({"suites": [], "numpy": []});
+    std::fs::write(&input, format!("{earlier}\n{args}\n")).unwrap();
+    let ours = || {
+        let output = Command::new(common::ZYGOTE)
+            .args(["sweep", node.to_str().unwrap(), "--input"])
+            .arg(&input)
+            .args(["-j", "1", "--isolation", "reset"])
+            .env("RUST_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("the sweep runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !stderr.contains("could not be put back"),
+            "the earlier call's child was retired, not put back: {stderr}"
+        );
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let lines: Vec<Value> = stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a result line"))
+            .collect();
+        let second = lines
+            .iter()
+            .find(|l| l["index"] == 1)
+            .unwrap_or_else(|| panic!("no second point: {stdout}\n{stderr}"));
+        serde_json::from_value(second["result"].clone()).expect("the outcomes")
+    };
+    compare_with_python3(&node, &args, ours);
+}
+
+/// Runs the suites under python3 beside `ours`, and compares test for test.
+fn compare_with_python3(node: &Path, args: &str, ours: impl FnOnce() -> BTreeMap<String, String>) {
     let python = common::python();
     let (reference, ours) = std::thread::scope(|scope| {
         let reference = scope.spawn(|| {
             let mut command = Command::new(&python);
-            command.arg(&node).arg(&args);
+            command.arg(node).arg(args);
             outcomes(command, "python3")
         });
-        let mut command = Command::new(common::ZYGOTE);
-        command.arg("run").arg(&node).arg("--kwargs").arg(&args);
-        let ours = outcomes(command, "the node");
+        let ours = ours();
         (reference.join().expect("the reference thread"), ours)
     });
     assert!(

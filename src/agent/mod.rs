@@ -78,10 +78,10 @@ pub fn run(options: AgentOptions) -> ExitCode {
         eprintln!("fluksio-zygote agent: {why}");
         return ExitCode::from(2);
     }
-    if options.zygote.isolation == crate::zygote::resident::Isolation::Node {
+    if options.zygote.isolation != crate::zygote::resident::Isolation::Call {
         tracing::warn!(
-            "--isolation node is served by `worker` (the pool's drop-in); the agent runs every \
-             call in a fresh child, so that each can be cancelled alone"
+            "--isolation node and reset are served by `worker` (the pool's drop-in) and `sweep`; \
+             the agent runs every call in a fresh child, so that each can be cancelled alone"
         );
     }
     // The token stays in this process's memory only: what node code (the

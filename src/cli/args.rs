@@ -235,7 +235,10 @@ pub(super) struct ZygoteArgs {
 
     /// `call`: a fresh child per call, nothing one call does is seen by the next.
     /// `node`: one child per node serving its calls in turn, module state kept as in a
-    /// reused worker_main.py (replaced by a fresh fork after a crash or a source change)
+    /// reused worker_main.py (replaced by a fresh fork after a crash or a source change).
+    /// `reset` (opt-in, new): one child per node whose memory is put back after each call
+    /// to what it was before the first; anything else a call changed retires it for a
+    /// fresh fork
     #[arg(long, env = "FLUKSIO_ISOLATION", value_enum, default_value_t = IsolationArg::Call)]
     pub(super) isolation: IsolationArg,
 
@@ -283,6 +286,7 @@ pub(super) enum Switch {
 pub(super) enum IsolationArg {
     Call,
     Node,
+    Reset,
 }
 
 impl ZygoteArgs {
@@ -326,6 +330,7 @@ impl ZygoteArgs {
             isolation: match self.isolation {
                 IsolationArg::Call => crate::zygote::resident::Isolation::Call,
                 IsolationArg::Node => crate::zygote::resident::Isolation::Node,
+                IsolationArg::Reset => crate::zygote::resident::Isolation::Reset,
             },
             max_calls_per_child: self.max_calls_per_child.filter(|&n| n > 0),
             node_zygote_mib: None,

@@ -96,11 +96,11 @@ impl GpuSlots {
     /// One lane's GPU per device, checked: `all` read here, `--cuda-warm`
     /// only where a driver is loaded, and not under `--isolation node`.
     fn resolve(&self, options: &SweepOptions) -> Result<Vec<Gpu>, String> {
-        if options.zygote.isolation == crate::zygote::resident::Isolation::Node {
+        if options.zygote.isolation != crate::zygote::resident::Isolation::Call {
             return Err(
                 "--gpus serves each call in a fresh child of its GPU's lane; under \
-                        --isolation node a resident child would keep the GPU it started on\n\
-                        hint: leave out --isolation node, or --gpus (and set \
+                        --isolation node or reset a resident child would keep the GPU it started on\n\
+                        hint: leave out --isolation, or --gpus (and set \
                         CUDA_VISIBLE_DEVICES yourself)"
                     .into(),
             );

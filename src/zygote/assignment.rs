@@ -104,6 +104,18 @@ pub struct Assignment {
 }
 
 impl Assignment {
+    /// The node it is for, and nothing of its call: how a resident that
+    /// is put back after each call (`--isolation reset`) is set up.
+    pub fn without_call(&self) -> Assignment {
+        Assignment {
+            id: "null".into(),
+            call_id: String::new(),
+            kwargs: None,
+            env: Vec::new(),
+            ..self.clone()
+        }
+    }
+
     /// Its copies of the call's kwargs and env, held while it is in memory
     /// (`crate::scrub`): a child forked meanwhile wipes them.
     pub fn held(&self) -> Vec<crate::scrub::Held> {

@@ -120,7 +120,11 @@ impl Zygote {
         startup::set_up(py, options)?;
         Ok(Zygote {
             nodes: Nodes::default(),
-            runner: Runner::new(options.standby, options.max_calls_per_child),
+            runner: Runner::new(
+                options.standby,
+                options.max_calls_per_child,
+                options.isolation,
+            ),
             placement: Placement {
                 isolation: options.isolation,
                 ..Placement::default()

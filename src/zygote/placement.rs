@@ -83,7 +83,7 @@ impl Placement {
     /// call whose pipe is handed to an owner over a link gets a fresh
     /// child, which that owner can end alone (a cancel, a timeout).
     pub fn resident(&self, handed_over: bool) -> bool {
-        self.isolation == Isolation::Node && !handed_over
+        matches!(self.isolation, Isolation::Node | Isolation::Reset) && !handed_over
     }
 }
 

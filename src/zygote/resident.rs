@@ -13,7 +13,7 @@
 //! until the resident is retired.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 
 use pyo3::prelude::*;
 
@@ -32,6 +32,10 @@ pub enum Isolation {
     Call,
     /// One child per node serving its calls in turn, as `worker_main.py`.
     Node,
+    /// One child per node serving its calls in turn, put back after each
+    /// to its memory before the first (`crate::reset`): a fresh fork's
+    /// isolation at the price of reuse.
+    Reset,
 }
 
 /// A node's resident child: serving a call, or between calls.
@@ -79,6 +83,35 @@ impl Resident {
         self.flight
     }
 
+    /// `--isolation reset`: waits for its word after its last call, that
+    /// it is put back (or why it could not be, and so exits).
+    fn put_back(&self) -> Result<(), String> {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        let mut fds = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
+        let within =
+            PollTimeout::try_from(PUT_BACK_WITHIN.as_millis() as u64).unwrap_or(PollTimeout::MAX);
+        match poll(&mut fds, within) {
+            Ok(0) => return Err(format!("not put back within {PUT_BACK_WITHIN:?}")),
+            Ok(_) => {}
+            Err(error) => return Err(format!("poll failed: {error}")),
+        }
+        let mut word = [0u8; 1024];
+        // SAFETY: reads into a local buffer from the control socket.
+        let n = unsafe {
+            libc::read(
+                self.control.as_raw_fd(),
+                word.as_mut_ptr().cast(),
+                word.len(),
+            )
+        };
+        let word = String::from_utf8_lossy(&word[..n.max(0) as usize]);
+        match word.trim_end() {
+            READY => Ok(()),
+            "" => Err("it exited".into()),
+            why => Err(why.strip_prefix(RETIRED).unwrap_or(why).to_string()),
+        }
+    }
+
     /// Ends it: its pipe closed, so it writes out what it holds and exits
     /// (within the flush's deadline); then its flight to `land` (its cell
     /// killed, and it reaped later).
@@ -89,21 +122,35 @@ impl Resident {
     }
 }
 
-/// `--isolation node`: each node's resident children between their calls
-/// (one for the worker, which serves a call at a time; one per call in
-/// flight for a sweep).
+/// `--isolation node` and `reset`: each node's resident children between
+/// their calls (one for the worker, which serves a call at a time; one per
+/// call in flight for a sweep).
 pub(super) struct Residents {
     idle: HashMap<NodeKey, Vec<Resident>>,
     /// Calls one serves before a fresh fork replaces it.
     max_calls: Option<u64>,
+    /// `--isolation reset`: each is put back after its call, and says
+    /// whether it could be before it is handed the next.
+    reset: bool,
 }
 
+/// Whether this zygote's residents are put back after each call: set in
+/// the zygote before it forks any, read by them.
+static RESET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 impl Residents {
-    pub(super) fn new(max_calls: Option<u64>) -> Residents {
+    pub(super) fn new(max_calls: Option<u64>, reset: bool) -> Residents {
+        RESET.store(reset, std::sync::atomic::Ordering::Relaxed);
         Residents {
             idle: HashMap::new(),
             max_calls,
+            reset,
         }
+    }
+
+    /// `--isolation reset`.
+    pub(super) fn reset(&self) -> bool {
+        self.reset
     }
 
     /// An idle resident of node `key` for a call of source `digest`, taken
@@ -120,7 +167,24 @@ impl Residents {
             self.retire(key, &mut land);
             return None;
         }
-        idle.pop()
+        while let Some(resident) = idle.pop() {
+            if !self.reset {
+                return Some(resident);
+            }
+            match resident.put_back() {
+                Ok(()) => return Some(resident),
+                Err(why) => {
+                    tracing::info!(
+                        pid = resident.flight.pid.as_raw(),
+                        "a resident could not be put back after its call ({why}); \
+                         the next call gets a fresh fork"
+                    );
+                    crate::metrics::reset_retired();
+                    resident.retire(&mut land);
+                }
+            }
+        }
+        None
     }
 
     /// Puts back a resident that has replied to one more call; retired
@@ -158,6 +222,13 @@ impl Residents {
     }
 }
 
+/// How long a resident has to put itself back after a call.
+const PUT_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+/// A reset resident's word: put back, waiting for its next call ...
+const READY: &str = "ready";
+/// ... or not, and why.
+const RETIRED: &str = "retired: ";
+
 /// In a resident child: serves `first`, then every assignment that comes
 /// down `control` after it, until the zygote closes it.
 pub(super) fn serve_in_turn(
@@ -168,6 +239,9 @@ pub(super) fn serve_in_turn(
     reply_fd: RawFd,
     logs: &LogBuffer,
 ) -> ! {
+    if RESET.load(std::sync::atomic::Ordering::Relaxed) {
+        serve_resetting(py, first, function, control, reply_fd, logs)
+    }
     let mut call = first;
     super::channel::open(reply_fd, &call.call_id);
     // Resolved once: a node loaded here keeps its module between calls.
@@ -216,6 +290,96 @@ pub(super) fn serve_in_turn(
             }
         };
     }
+}
+
+/// In a resident child under `--isolation reset`: sets the node up for
+/// `set_up` (which holds no call), takes the snapshot, then serves every
+/// assignment that comes down `control`, put back after each.
+fn serve_resetting(
+    py: Python<'_>,
+    set_up: Assignment,
+    function: Function<'_>,
+    control: OwnedFd,
+    reply_fd: RawFd,
+    logs: &LogBuffer,
+) -> ! {
+    let function = match function {
+        Function::Loaded(function) => {
+            super::node::enter(py, &set_up.key, &set_up.digest);
+            function.bind(py).clone()
+        }
+        Function::LoadHere { quiet } => {
+            match child::resolve(py, &set_up, Function::LoadHere { quiet }, logs) {
+                Ok(loaded) => loaded,
+                Err(error) => {
+                    // Its first call is answered with the load's error, as
+                    // a fresh child's would be.
+                    let call = assignment::receive(control.as_raw_fd());
+                    super::channel::open(reply_fd, &call.call_id);
+                    answer(py, &call, Err(error));
+                    crate::process::exit_now(0)
+                }
+            }
+        }
+    };
+    drop(set_up);
+    let reset = crate::reset::Reset::take();
+    if let Err(why) = &reset {
+        // Its first call is served as a fresh child's, then it is gone.
+        tell(
+            &control,
+            &format!("{RETIRED}no snapshot could be taken: {why}"),
+        );
+    }
+    let mut first_call = true;
+    loop {
+        let Some(call) = assignment::next_assignment(control.as_raw_fd()) else {
+            fluksio_embed::finish::at_end(py, fluksio_embed::finish::Ending::Exit);
+            crate::process::exit_now(0)
+        };
+        serve_one(py, call, &function, reply_fd, logs, first_call);
+        first_call = false;
+        let Ok(reset) = &reset else {
+            crate::process::exit_now(0)
+        };
+        match reset.after_call() {
+            Ok(_) => tell(&control, READY),
+            Err(why) => {
+                tell(&control, &format!("{RETIRED}{why}"));
+                crate::process::exit_now(0)
+            }
+        }
+        crate::reset::wipe_stack_below();
+    }
+}
+
+/// One call of a reset resident, everything it made dropped on return.
+#[inline(never)]
+fn serve_one(
+    py: Python<'_>,
+    call: Assignment,
+    function: &Bound<'_, PyAny>,
+    reply_fd: RawFd,
+    logs: &LogBuffer,
+    first_call: bool,
+) {
+    if !first_call {
+        logs.clear();
+    }
+    super::channel::open(reply_fd, &call.call_id);
+    let outcome = child::apply_env(py, &call.env, false)
+        .and_then(|()| child::invoke(py, &call, function))
+        .map(Some);
+    answer(py, &call, outcome);
+    // What the call left open in files is written out before its memory
+    // goes (the files' fds then retire the resident).
+    fluksio_embed::finish::between_calls(py);
+}
+
+/// A word to the zygote on the control socket.
+fn tell(control: &OwnedFd, word: &str) {
+    let line = format!("{word}\n");
+    let _ = super::channel::write_all(control.as_raw_fd(), line.as_bytes());
 }
 
 /// How long a retired resident has to write out what it holds and exit

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use super::assignment::{Assignment, Task};
 use super::compiled::Nodes;
 use super::flight::{Flight, Landed};
-use super::resident::{Resident, Residents};
+use super::resident::{Isolation, Resident, Residents};
 use super::standby::{Children, Origin, SpawnError};
 use crate::fds::Claimed;
 use crate::output::CallOutput;
@@ -42,12 +42,16 @@ pub(super) struct Runner {
 impl Runner {
     /// `standby`: children kept ready; `max_calls_per_child`: calls a
     /// resident serves before a fresh fork replaces it.
-    pub(super) fn new(standby: usize, max_calls_per_child: Option<u64>) -> Runner {
+    pub(super) fn new(
+        standby: usize,
+        max_calls_per_child: Option<u64>,
+        isolation: Isolation,
+    ) -> Runner {
         Runner {
             pid: nix::unistd::getpid(),
             children: Children::default(),
             standby,
-            residents: Residents::new(max_calls_per_child),
+            residents: Residents::new(max_calls_per_child, isolation == Isolation::Reset),
             needs_recovery: false,
             started: SystemTime::now(),
         }
@@ -201,9 +205,19 @@ impl Runner {
             resident.hand(assignment);
             return Ok((resident, false));
         }
-        let (flight, control) = self.dispatch(py, nodes, assignment, logs_so_far, true)?;
+        if !self.residents.reset() {
+            let (flight, control) = self.dispatch(py, nodes, assignment, logs_so_far, true)?;
+            let control = control.expect("kept");
+            let resident = Resident::new(flight, control, &assignment.key, &assignment.digest);
+            return Ok((resident, true));
+        }
+        // Its snapshot is taken before its first call is in its memory:
+        // the node first, the call after it.
+        let set_up = assignment.without_call();
+        let (flight, control) = self.dispatch(py, nodes, &set_up, logs_so_far, true)?;
         let control = control.expect("kept");
-        let resident = Resident::new(flight, control, &assignment.key, &assignment.digest);
+        let mut resident = Resident::new(flight, control, &assignment.key, &assignment.digest);
+        resident.hand(assignment);
         Ok((resident, true))
     }
 

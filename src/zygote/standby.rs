@@ -321,7 +321,15 @@ impl Children {
         let pipe = || {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| SpawnError::Io(e.into()))
         };
-        let (control_read, control_write) = pipe()?;
+        // A socket, not a pipe: a resident put back after each call says
+        // on it whether it could be (`resident`).
+        let (control_read, control_write) = nix::sys::socket::socketpair(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::Stream,
+            None,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|e| SpawnError::Io(e.into()))?;
         let (lines_read, lines_write) = pipe()?;
         let go = assignment::wake_up_call().map_err(SpawnError::Io)?;
         let logs = self.fresh_logs().map_err(SpawnError::Io)?;

@@ -1,0 +1,685 @@
+//! A process's writable memory, kept and put back.
+//!
+//! [`Snapshot::take`] copies every private writable mapping (the heap,
+//! pymalloc's arenas, anonymous mappings, libraries' data and bss) into a
+//! sealed memfd, and maps each back over itself, `MAP_PRIVATE` from it. A
+//! page written since is then a private copy: present, and no longer the
+//! file's (`PAGEMAP_SCAN`, or bit 61 of `/proc/self/pagemap`), while a
+//! page only read is still the memfd's. [`Snapshot::restore`] finds the
+//! written pages and copies the snapshot's bytes back over them: the copy
+//! stays private, so the next call writes it without a fault (the faults a
+//! fresh fork pays on every call are paid once). It also returns the
+//! heap's break, unmaps what was mapped since, and maps again a region
+//! that was unmapped or remapped.
+//!
+//! Nothing of this lives in the memory it puts back: the tables are in a
+//! shared mapping of their own ([`Keep`]), which the snapshot leaves out,
+//! and the restore allocates nothing. The stack is left out too (it is in
+//! use); the resident wipes what lies below its own frame.
+
+use std::os::fd::RawFd;
+
+use super::maps::{self, Mapping};
+
+/// Private writable mappings a snapshot holds at most.
+const MAX_REGIONS: usize = 16 * 1024;
+/// Mappings a process has at most (`vm.max_map_count`'s default, 65,530).
+const MAX_MAPPINGS: usize = 64 * 1024;
+/// Written ranges one scan returns at most (a scan that fills it goes on).
+const MAX_WRITTEN: usize = 4096;
+/// `/proc/self/maps` read at most.
+const MAPS_BYTES: usize = 16 << 20;
+
+const PAGE: usize = 4096;
+
+/// A private writable mapping, as the snapshot holds it: its bytes at
+/// `offset` in the memfd.
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct Region {
+    start: usize,
+    end: usize,
+    offset: usize,
+    prot: i32,
+}
+
+/// What the snapshot keeps outside the memory it puts back: a shared
+/// anonymous mapping (`rw-s`, left out of every snapshot), reserved and
+/// touched only as far as it is used.
+#[repr(C)]
+struct Keep {
+    memfd: RawFd,
+    /// The memfd's inode: a mapping of it is a snapshot region.
+    memfd_inode: u64,
+    /// The memfd mapped shared and read-only: where a restore copies from.
+    view: usize,
+    size: usize,
+    brk: usize,
+    regions: usize,
+    region: [Region; MAX_REGIONS],
+    /// The mappings right after the snapshot, ascending.
+    layout: usize,
+    laid_out: [Mapping; MAX_MAPPINGS],
+    /// The mappings now, read before a restore.
+    current: usize,
+    now: [Mapping; MAX_MAPPINGS],
+    written: [PageRegion; MAX_WRITTEN],
+    maps_text: [u8; MAPS_BYTES],
+}
+
+/// One range `PAGEMAP_SCAN` returns.
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+/// `struct pm_scan_arg` (linux/fs.h, 6.7 and later).
+#[repr(C)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+/// `_IOWR('f', 16, struct pm_scan_arg)`.
+const PAGEMAP_SCAN: libc::c_ulong = 0xc060_6610;
+const PAGE_IS_FILE: u64 = 1 << 2;
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+const PAGE_IS_SWAPPED: u64 = 1 << 4;
+
+/// Why memory could not be kept or put back.
+#[derive(Debug)]
+pub struct MemoryError(pub String);
+
+impl std::fmt::Display for MemoryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn os_error(what: &str) -> MemoryError {
+    MemoryError(format!("{what}: {}", std::io::Error::last_os_error()))
+}
+
+/// What a restore did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Restored {
+    /// Pages copied back from the snapshot.
+    pub pages: usize,
+    /// Regions mapped again whole (unmapped or remapped by the call).
+    pub remapped: usize,
+    /// Mappings made by the call, unmapped.
+    pub unmapped: usize,
+}
+
+/// The memory of this process at one moment, to be put back.
+pub struct Snapshot {
+    keep: *mut Keep,
+    scan: Scan,
+}
+
+/// How written pages are found.
+#[derive(Clone, Copy)]
+enum Scan {
+    /// The `PAGEMAP_SCAN` ioctl: ranges, holes skipped by the kernel.
+    Ioctl(RawFd),
+    /// `/proc/self/pagemap`, 8 bytes a page.
+    Pagemap(RawFd),
+}
+
+impl Snapshot {
+    /// Opens what a snapshot needs (its memfd, the pagemap) before it is
+    /// taken, so that whatever is read of the process between the two is
+    /// read with them open.
+    pub fn prepare() -> Result<Snapshot, MemoryError> {
+        let keep = reserve_keep()?;
+        let scan = open_scan()?;
+        // SAFETY: memfd_create with a static name.
+        let memfd = unsafe {
+            libc::memfd_create(
+                c"fluksio-reset".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if memfd < 0 {
+            return Err(os_error("memfd_create"));
+        }
+        // SAFETY: a fresh mapping, zeroed, the size of Keep.
+        unsafe {
+            (*keep).memfd = memfd;
+            (*keep).memfd_inode = inode_of(memfd);
+        }
+        Ok(Snapshot { keep, scan })
+    }
+
+    /// Takes the snapshot. This process must have one thread, and nothing
+    /// may write to its memory meanwhile (a signal handler): every signal
+    /// is blocked while it runs.
+    pub fn take(&mut self) -> Result<(), MemoryError> {
+        let keep = self.keep;
+        let scan = self.scan;
+        let _blocked = BlockedSignals::new();
+        // SAFETY: Keep lives as long as the process, used by this thread.
+        let k = unsafe { &mut *keep };
+        read_maps(k, false)?;
+        // Which mappings to keep, and where each goes in the memfd.
+        let mut size = 0;
+        k.regions = 0;
+        for mapping in &k.now[..k.current] {
+            if !mapping.is_private_writable() || mapping.is_special() || mapping.is_within(keep) {
+                continue;
+            }
+            if k.regions == MAX_REGIONS {
+                return Err(MemoryError(format!(
+                    "more than {MAX_REGIONS} writable mappings"
+                )));
+            }
+            k.region[k.regions] = Region {
+                start: mapping.start,
+                end: mapping.end,
+                offset: size,
+                prot: mapping.prot(),
+            };
+            k.regions += 1;
+            size += mapping.end - mapping.start;
+        }
+        let memfd = k.memfd;
+        k.size = size;
+        // SAFETY: the memfd just made.
+        if unsafe { libc::ftruncate(memfd, size as libc::off_t) } != 0 {
+            return Err(os_error("sizing the snapshot"));
+        }
+        // From here to the last mapping back, nothing writes to the memory
+        // being copied: no allocation, no call that sets errno unless it
+        // fails (and a failure ends the resident).
+        for i in 0..k.regions {
+            let region = k.region[i];
+            copy_out(memfd, &region, scan, k)?;
+        }
+        for i in 0..k.regions {
+            let region = k.region[i];
+            // SAFETY: maps the memfd over a range this process maps, with
+            // the bytes that range holds: nothing that reads it sees a change.
+            let at = unsafe {
+                libc::mmap(
+                    region.start as *mut libc::c_void,
+                    region.end - region.start,
+                    region.prot,
+                    libc::MAP_PRIVATE | libc::MAP_FIXED,
+                    memfd,
+                    region.offset as libc::off_t,
+                )
+            };
+            if at == libc::MAP_FAILED {
+                // Half the memory is the memfd's: nothing to go back to.
+                // SAFETY: _exit is always safe.
+                unsafe { libc::_exit(HALF_TAKEN) };
+            }
+        }
+        // Sealed: no call can write the snapshot, by this fd or another.
+        let seals =
+            libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+        // SAFETY: fcntl on the memfd.
+        if unsafe { libc::fcntl(memfd, libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(os_error("sealing the snapshot"));
+        }
+        // SAFETY: a read-only shared view of the sealed memfd.
+        let view = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size.max(PAGE),
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                memfd,
+                0,
+            )
+        };
+        if view == libc::MAP_FAILED {
+            return Err(os_error("mapping the snapshot"));
+        }
+        k.view = view as usize;
+        // SAFETY: brk(0) reads the break.
+        k.brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as usize;
+        read_maps(k, true)?;
+        Ok(())
+    }
+
+    /// Bytes the snapshot holds (its memfd's size).
+    pub fn size(&self) -> usize {
+        // SAFETY: Keep lives as long as the process.
+        unsafe { (*self.keep).size }
+    }
+
+    /// Puts this process's memory back as the snapshot has it. Outside the
+    /// stack, every private writable page is then the snapshot's, and
+    /// every mapping is one the snapshot had. A mapping that is not
+    /// private writable and changed (a library's code or its read-only
+    /// data unmapped, remapped or made writable) cannot be put back: the
+    /// error says which.
+    pub fn restore(&self) -> Result<Restored, MemoryError> {
+        let _blocked = BlockedSignals::new();
+        // SAFETY: Keep lives as long as the process, used by this thread.
+        let k = unsafe { &mut *self.keep };
+        let mut restored = Restored::default();
+        // The break first: a heap grown shrinks back, one trimmed grows
+        // back (and its region is mapped again below).
+        // SAFETY: brk to an address this process's heap had.
+        unsafe { libc::syscall(libc::SYS_brk, k.brk) };
+        read_maps(k, false)?;
+        // Mappings the call made, or changed: gone. A snapshot region among
+        // them is mapped again whole below; any other mapping the snapshot
+        // had (code, read-only data, a shared mapping) cannot be put back.
+        for i in 0..k.current {
+            let mapping = k.now[i];
+            if mapping.is_special() || self.is_ours(&mapping) || in_layout(k, &mapping) {
+                continue;
+            }
+            let fixed = k.laid_out[..k.layout].iter().find(|l| {
+                l.start < mapping.end && mapping.start < l.end && l.inode != k.memfd_inode
+            });
+            if let Some(fixed) = fixed.filter(|l| !l.is_special()) {
+                return Err(MemoryError(format!(
+                    "a mapping the snapshot holds no copy of changed: {} is now {}",
+                    fixed.describe(),
+                    mapping.describe()
+                )));
+            }
+            // SAFETY: unmaps a range the call mapped or changed; what the
+            // snapshot had there is mapped again below.
+            unsafe {
+                libc::munmap(
+                    mapping.start as *mut libc::c_void,
+                    mapping.end - mapping.start,
+                )
+            };
+            restored.unmapped += 1;
+        }
+        for layout in &k.laid_out[..k.layout] {
+            if layout.is_special() || in_now(k, layout) {
+                continue;
+            }
+            if layout.inode != k.memfd_inode {
+                return Err(MemoryError(format!(
+                    "a mapping the snapshot holds no copy of is gone: {}",
+                    layout.describe()
+                )));
+            }
+            // SAFETY: maps the snapshot's bytes back at the address the
+            // snapshot had them, where nothing is mapped now.
+            let at = unsafe {
+                libc::mmap(
+                    layout.start as *mut libc::c_void,
+                    layout.end - layout.start,
+                    layout.prot(),
+                    libc::MAP_PRIVATE | libc::MAP_FIXED,
+                    k.memfd,
+                    layout.offset as libc::off_t,
+                )
+            };
+            if at == libc::MAP_FAILED {
+                return Err(os_error("mapping a region back"));
+            }
+            restored.remapped += 1;
+        }
+        // The pages written: copied back.
+        for layout_index in 0..k.layout {
+            let layout = k.laid_out[layout_index];
+            if layout.inode != k.memfd_inode || layout.is_special() {
+                continue;
+            }
+            let mut from = layout.start;
+            while from < layout.end {
+                let (found, next) = written_pages(self.scan, k, from, layout.end)?;
+                for range in &k.written[..found] {
+                    let (start, end) = (range.start as usize, range.end as usize);
+                    let source = k.view + layout.offset + (start - layout.start);
+                    // SAFETY: both ranges are mapped: the region's pages and
+                    // the view of the snapshot's bytes for them.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            source as *const u8,
+                            start as *mut u8,
+                            end - start,
+                        )
+                    };
+                    restored.pages += (end - start) / PAGE;
+                }
+                from = next;
+            }
+        }
+        Ok(restored)
+    }
+
+    /// Keep's mapping, or the view: the snapshot's own.
+    fn is_ours(&self, mapping: &Mapping) -> bool {
+        // SAFETY: Keep lives as long as the process.
+        let k = unsafe { &*self.keep };
+        mapping.is_within(self.keep)
+            || (mapping.start >= k.view && mapping.end <= k.view + k.size.max(PAGE))
+    }
+}
+
+/// Whether the snapshot's layout has `mapping`, as it is now.
+fn in_layout(k: &Keep, mapping: &Mapping) -> bool {
+    (k.laid_out[..k.layout].binary_search_by(|m| m.order(mapping))).is_ok()
+}
+
+/// Whether `layout`'s mapping is there now, as the snapshot had it.
+fn in_now(k: &Keep, layout: &Mapping) -> bool {
+    (k.now[..k.current].binary_search_by(|m| m.order(layout))).is_ok()
+}
+
+fn inode_of(fd: RawFd) -> u64 {
+    // SAFETY: fstat into a zeroed struct.
+    unsafe {
+        let mut stat: libc::stat = std::mem::zeroed();
+        libc::fstat(fd, &mut stat);
+        stat.st_ino
+    }
+}
+
+/// The exit code of a resident whose snapshot failed half-way: its memory
+/// is neither the old nor the new.
+pub const HALF_TAKEN: i32 = 113;
+
+/// Copies `region` into the memfd at its offset: every page of a file's
+/// mapping (an untouched page is the file's, not zero), the present pages
+/// of an anonymous one (an untouched one reads as zero, as the memfd's
+/// hole does).
+fn copy_out(memfd: RawFd, region: &Region, scan: Scan, k: &mut Keep) -> Result<(), MemoryError> {
+    let anonymous = k.now[..k.current]
+        .iter()
+        .find(|m| m.start == region.start)
+        .is_some_and(|m| m.inode == 0);
+    let write = |start: usize, end: usize| -> Result<(), MemoryError> {
+        let mut done = start;
+        while done < end {
+            // SAFETY: reads the process's own mapped range into the memfd.
+            let n = unsafe {
+                libc::syscall(
+                    libc::SYS_pwrite64,
+                    memfd,
+                    done as *const libc::c_void,
+                    end - done,
+                    (region.offset + done - region.start) as libc::off_t,
+                )
+            };
+            if n <= 0 {
+                return Err(os_error("copying memory into the snapshot"));
+            }
+            done += n as usize;
+        }
+        Ok(())
+    };
+    if !anonymous {
+        return write(region.start, region.end);
+    }
+    let mut from = region.start;
+    while from < region.end {
+        let (found, next) = pages_in(
+            scan,
+            k,
+            from,
+            region.end,
+            PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+            0,
+        )?;
+        for i in 0..found {
+            let range = k.written[i];
+            write(range.start as usize, range.end as usize)?;
+        }
+        from = next;
+    }
+    Ok(())
+}
+
+/// The written pages of a memfd region from `from` to `end`: present and
+/// not the file's, or swapped out. Fills `k.written`; the count, and where
+/// the scan stopped.
+fn written_pages(
+    scan: Scan,
+    k: &mut Keep,
+    from: usize,
+    end: usize,
+) -> Result<(usize, usize), MemoryError> {
+    pages_in(
+        scan,
+        k,
+        from,
+        end,
+        PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+        PAGE_IS_FILE,
+    )
+}
+
+/// The pages from `from` to `end` with any of `anyof` and none of `none`,
+/// as ranges in `k.written`: how many, and where the scan stopped (`end`
+/// once it is done).
+fn pages_in(
+    scan: Scan,
+    k: &mut Keep,
+    from: usize,
+    end: usize,
+    anyof: u64,
+    none: u64,
+) -> Result<(usize, usize), MemoryError> {
+    match scan {
+        Scan::Ioctl(fd) => {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags: 0,
+                start: from as u64,
+                end: end as u64,
+                walk_end: 0,
+                vec: k.written.as_mut_ptr() as u64,
+                vec_len: MAX_WRITTEN as u64,
+                max_pages: 0,
+                category_inverted: none,
+                category_mask: none,
+                category_anyof_mask: anyof,
+                return_mask: anyof | none,
+            };
+            // SAFETY: the ioctl writes at most vec_len regions into `written`.
+            let found = unsafe { libc::ioctl(fd, PAGEMAP_SCAN, &mut arg) };
+            if found < 0 {
+                return Err(os_error("scanning the pagemap"));
+            }
+            Ok((
+                found as usize,
+                (arg.walk_end as usize).max(from + PAGE).min(end),
+            ))
+        }
+        Scan::Pagemap(fd) => {
+            // 8 bytes a page, read in steps of 512 pages.
+            let mut entries = [0u64; 512];
+            let mut found = 0;
+            let mut page = from;
+            while page < end && found < MAX_WRITTEN {
+                let count = ((end - page) / PAGE).min(entries.len());
+                let bytes = count * 8;
+                // SAFETY: reads into a local array of at least `bytes`.
+                let n = unsafe {
+                    libc::pread(
+                        fd,
+                        entries.as_mut_ptr().cast(),
+                        bytes,
+                        ((page / PAGE) * 8) as libc::off_t,
+                    )
+                };
+                if n != bytes as isize {
+                    return Err(os_error("reading the pagemap"));
+                }
+                for (i, entry) in entries[..count].iter().enumerate() {
+                    let present = entry >> 63 & 1 == 1;
+                    let swapped = entry >> 62 & 1 == 1;
+                    let file = entry >> 61 & 1 == 1;
+                    let categories = if present { PAGE_IS_PRESENT } else { 0 }
+                        | if swapped { PAGE_IS_SWAPPED } else { 0 }
+                        | if file { PAGE_IS_FILE } else { 0 };
+                    if categories & anyof == 0 || categories & none != 0 {
+                        continue;
+                    }
+                    let at = (page + i * PAGE) as u64;
+                    if found > 0 && k.written[found - 1].end == at {
+                        k.written[found - 1].end += PAGE as u64;
+                    } else if found < MAX_WRITTEN {
+                        k.written[found] = PageRegion {
+                            start: at,
+                            end: at + PAGE as u64,
+                            categories,
+                        };
+                        found += 1;
+                    } else {
+                        return Ok((found, at as usize));
+                    }
+                }
+                page += count * PAGE;
+            }
+            Ok((found, page.min(end)))
+        }
+    }
+}
+
+/// `PAGEMAP_SCAN` where the kernel has it (6.7 and later), else the
+/// pagemap file.
+fn open_scan() -> Result<Scan, MemoryError> {
+    // SAFETY: open with a static path.
+    let fd = unsafe {
+        libc::open(
+            c"/proc/self/pagemap".as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(os_error("opening /proc/self/pagemap"));
+    }
+    let mut probe = [PageRegion::default(); 1];
+    let mut arg = PmScanArg {
+        size: std::mem::size_of::<PmScanArg>() as u64,
+        flags: 0,
+        start: 0,
+        end: 0,
+        walk_end: 0,
+        vec: probe.as_mut_ptr() as u64,
+        vec_len: 1,
+        max_pages: 0,
+        category_inverted: 0,
+        category_mask: 0,
+        category_anyof_mask: PAGE_IS_PRESENT,
+        return_mask: PAGE_IS_PRESENT,
+    };
+    // SAFETY: an empty range: the ioctl answers whether it exists.
+    let ioctl = unsafe { libc::ioctl(fd, PAGEMAP_SCAN, &mut arg) } >= 0;
+    Ok(if ioctl {
+        Scan::Ioctl(fd)
+    } else {
+        Scan::Pagemap(fd)
+    })
+}
+
+/// The mapping Keep lives in: shared and anonymous, so no snapshot holds
+/// it; reserved, so only what is used is ever touched.
+fn reserve_keep() -> Result<*mut Keep, MemoryError> {
+    let size = std::mem::size_of::<Keep>().next_multiple_of(PAGE);
+    // SAFETY: a new anonymous mapping.
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if at == libc::MAP_FAILED {
+        return Err(os_error("reserving the snapshot's tables"));
+    }
+    Ok(at.cast())
+}
+
+/// Reads `/proc/self/maps` into `k.now` (and, `as_layout`, into
+/// `k.laid_out` too), with no allocation.
+fn read_maps(k: &mut Keep, as_layout: bool) -> Result<(), MemoryError> {
+    // SAFETY: open with a static path.
+    let fd = unsafe {
+        libc::open(
+            c"/proc/self/maps".as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(os_error("opening /proc/self/maps"));
+    }
+    let mut length = 0;
+    loop {
+        // SAFETY: reads into Keep's buffer, within its bounds.
+        let n = unsafe {
+            libc::read(
+                fd,
+                k.maps_text[length..].as_mut_ptr().cast(),
+                MAPS_BYTES - length,
+            )
+        };
+        if n < 0 {
+            // SAFETY: closing our fd.
+            unsafe { libc::close(fd) };
+            return Err(os_error("reading /proc/self/maps"));
+        }
+        if n == 0 {
+            break;
+        }
+        length += n as usize;
+        if length == MAPS_BYTES {
+            // SAFETY: closing our fd.
+            unsafe { libc::close(fd) };
+            return Err(MemoryError("/proc/self/maps is too long".into()));
+        }
+    }
+    // SAFETY: closing our fd.
+    unsafe { libc::close(fd) };
+    let count = maps::parse(&k.maps_text[..length], &mut k.now)
+        .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
+    k.current = count;
+    if as_layout {
+        k.laid_out[..count].copy_from_slice(&k.now[..count]);
+        k.layout = count;
+    }
+    Ok(())
+}
+
+/// Every signal blocked while memory is copied or put back: a handler
+/// would write to it.
+struct BlockedSignals(libc::sigset_t);
+
+impl BlockedSignals {
+    fn new() -> BlockedSignals {
+        // SAFETY: sigset operations on local sets.
+        unsafe {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            let mut before: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            libc::sigprocmask(libc::SIG_SETMASK, &all, &mut before);
+            BlockedSignals(before)
+        }
+    }
+}
+
+impl Drop for BlockedSignals {
+    fn drop(&mut self) {
+        // SAFETY: puts back the mask saved in new().
+        unsafe { libc::sigprocmask(libc::SIG_SETMASK, &self.0, std::ptr::null_mut()) };
+    }
+}

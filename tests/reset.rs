@@ -1,0 +1,304 @@
+//! `--isolation reset`: one child per node, put back after every call to
+//! the memory it had before its first. The next call cannot tell it from a
+//! fresh fork: no module state, no cache, no kwargs or result of a call
+//! before it anywhere in its memory, nothing the call started still
+//! running. What memory cannot hold (an fd left open, a thread, a signal
+//! handler, the working directory...) retires the child, and a fresh fork
+//! serves on.
+
+mod common;
+
+use common::{MEMORY_SCAN, Worker, masked, run};
+use serde_json::{Value, json};
+
+fn reset_worker() -> Worker {
+    Worker::zygote(&["--isolation", "reset"])
+}
+
+/// The pid that served a call, and what it returned, from a node that
+/// returns `[os.getpid(), result]`.
+fn served(reply: &Value) -> (i64, Value) {
+    assert_eq!(reply["ok"], true, "{reply}");
+    (
+        reply["result"][0].as_i64().expect("a pid"),
+        reply["result"][1].clone(),
+    )
+}
+
+const STATE: &str = r#"import os, sys, functools
+seen = []
+@functools.lru_cache(maxsize=None)
+def cached(x):
+    return x
+def process(x):
+    state = {
+        "seen": list(seen),
+        "cached": cached.cache_info().currsize,
+        "colorsys": "colorsys" in sys.modules,
+        "env": os.environ.get("LEFT_BY_A_CALL"),
+    }
+    seen.append(x)
+    cached(x)
+    import colorsys
+    os.environ["LEFT_BY_A_CALL"] = str(x)
+    return [os.getpid(), state]
+"#;
+
+#[test]
+fn each_call_finds_the_node_as_the_first_did_in_the_same_child() {
+    let mut worker = reset_worker();
+    let pids: Vec<i64> = (0..6)
+        .map(|x| {
+            let (pid, state) = served(&worker.call(&run(x, "state", STATE, json!({"x": x}))).reply);
+            assert_eq!(
+                state,
+                json!({"seen": [], "cached": 0, "colorsys": false, "env": null}),
+                "call {x} saw what an earlier call left"
+            );
+            pid
+        })
+        .collect();
+    assert!(
+        pids.iter().all(|&pid| pid == pids[0]),
+        "one child served them all: {pids:?}"
+    );
+    // Under --isolation node the same child keeps all of it.
+    let mut node = Worker::zygote(&["--isolation", "node"]);
+    node.call(&run(0, "state", STATE, json!({"x": 0})));
+    let (_, state) = served(&node.call(&run(1, "state", STATE, json!({"x": 1}))).reply);
+    assert_eq!(state["seen"], json!([0]), "{state}");
+}
+
+/// A node that is the victim (holding `sent`, returning it reversed) or
+/// the scanner, one node so that one child serves both.
+fn victim_or_scanner() -> String {
+    format!(
+        "{}\nimport os\ndef process(masked=None, sent=None, padding=''):\n    if masked is not None:\n        return [os.getpid(), scan(masked)]\n    return [os.getpid(), sent[::-1]]\n",
+        MEMORY_SCAN.replace("def process(masked):", "def scan(masked):")
+    )
+}
+
+#[test]
+fn no_call_finds_what_earlier_calls_of_its_child_were_sent_or_returned() {
+    let source = victim_or_scanner();
+    // Requests of pages, and of blocks past glibc's first mmap threshold.
+    for padding in [16_000, 700_000] {
+        let sent = format!("reset-secret-{padding}-{}", std::process::id());
+        let returned: String = sent.chars().rev().collect();
+        let padding = "p".repeat(padding);
+        let mut worker = reset_worker();
+        let mut pids = Vec::new();
+        for id in 0..3 {
+            let kwargs = json!({"sent": sent, "padding": padding});
+            let (pid, result) = served(&worker.call(&run(id, "both", &source, kwargs)).reply);
+            assert_eq!(result, returned.as_str());
+            pids.push(pid);
+        }
+        for (id, secret) in (10..).zip([&sent, &returned]) {
+            let reply = worker
+                .call(&run(id, "both", &source, json!({"masked": masked(secret)})))
+                .reply;
+            let (pid, hits) = served(&reply);
+            pids.push(pid);
+            assert_eq!(
+                hits,
+                json!([]),
+                "an earlier call's {secret:?} is in a later call's memory: {reply}"
+            );
+        }
+        assert!(
+            pids.iter().all(|&pid| pid == pids[0]),
+            "the scans ran in the child that served the secrets: {pids:?}"
+        );
+    }
+}
+
+#[test]
+fn what_a_call_started_is_gone_before_the_next_and_the_child_serves_on() {
+    let source = r#"import os, subprocess, sys, time
+def process(check=None):
+    if check is not None:
+        alive = []
+        for pid in check:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        return [os.getpid(), alive]
+    sleeper = subprocess.Popen(["sleep", "300"]).pid
+    # A daemon: it leaves the call's session and its parent.
+    read, write = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.write(write, str(os.getpid()).encode())
+            time.sleep(300)
+        os._exit(0)
+    os.close(write)
+    daemon = int(os.read(read, 32))
+    os.close(read)
+    return [os.getpid(), [sleeper, daemon]]
+"#;
+    let mut worker = reset_worker();
+    let (first, started) = served(&worker.call(&run(1, "daemon", source, json!({}))).reply);
+    let started: Vec<i32> = common::pids_in(&started);
+    for &pid in &started {
+        assert!(
+            common::wait_gone(pid, std::time::Duration::from_secs(10)),
+            "{pid} outlived its call"
+        );
+    }
+    let (second, alive) = served(
+        &worker
+            .call(&run(2, "daemon", source, json!({"check": started})))
+            .reply,
+    );
+    assert_eq!(alive, json!([]));
+    assert_eq!(first, second, "ending them did not cost the child");
+}
+
+/// What one call may change that memory does not hold: each retires the
+/// child that ran it, and the next call gets a fresh one, which is put
+/// back after its own calls again.
+#[test]
+fn what_memory_cannot_put_back_retires_the_child_and_a_fresh_fork_serves_on() {
+    let source = r#"import ctypes, os, resource, signal, threading, time
+kept = []
+def process(change=None):
+    if change == "fd":
+        kept.append(open("/proc/self/status"))
+    elif change == "thread":
+        threading.Thread(target=time.sleep, args=(300,), daemon=True).start()
+    elif change == "signal":
+        signal.signal(signal.SIGUSR1, lambda *a: None)
+    elif change == "cwd":
+        os.chdir("/")
+    elif change == "umask":
+        os.umask(0o077)
+    elif change == "rlimit":
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+    elif change == "timer":
+        signal.setitimer(signal.ITIMER_VIRTUAL, 100.0)
+    elif change == "name":
+        ctypes.CDLL(None).prctl(15, b"renamed", 0, 0, 0)
+    elif change == "mask":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    return [os.getpid(), change]
+"#;
+    let mut worker = reset_worker();
+    let mut id = 0;
+    let mut call = |worker: &mut Worker, change: Value| {
+        id += 1;
+        served(
+            &worker
+                .call(&run(id, "leaky", source, json!({"change": change})))
+                .reply,
+        )
+    };
+    let (mut serving, _) = call(&mut worker, Value::Null);
+    for change in [
+        "fd", "thread", "signal", "cwd", "umask", "rlimit", "timer", "name", "mask",
+    ] {
+        let (pid, echoed) = call(&mut worker, json!(change));
+        assert_eq!(pid, serving, "{change}: served by the same child");
+        assert_eq!(echoed, change);
+        let (after, _) = call(&mut worker, Value::Null);
+        assert_ne!(
+            after, serving,
+            "{change}: the child that ran it was retired"
+        );
+        let (again, _) = call(&mut worker, Value::Null);
+        assert_eq!(
+            again, after,
+            "{change}: its replacement is put back in turn"
+        );
+        serving = again;
+    }
+}
+
+/// What a call does in the normal course, that is put back, and must not
+/// cost the child: files opened and closed, memory mapped and freed, a
+/// module imported, the environment changed, a subprocess run.
+#[test]
+fn what_memory_does_put_back_keeps_the_child() {
+    let source = r#"import mmap, os, subprocess
+def process(x):
+    with open("/proc/self/status") as f:
+        f.read()
+    big = bytearray(64 << 20)
+    big[::4096] = b"x" * len(big[::4096])
+    area = mmap.mmap(-1, 8 << 20)
+    area[:5] = b"hello"
+    import decimal, fractions
+    os.environ["CALL"] = str(x)
+    out = subprocess.run(["true"]).returncode
+    return [os.getpid(), [x, out]]
+"#;
+    let mut worker = reset_worker();
+    let pids: Vec<i64> = (0..5)
+        .map(|x| {
+            let (pid, result) = served(
+                &worker
+                    .call(&run(x, "normal", source, json!({"x": x})))
+                    .reply,
+            );
+            assert_eq!(result, json!([x, 0]));
+            pid
+        })
+        .collect();
+    assert!(
+        pids.iter().all(|&pid| pid == pids[0]),
+        "one child served them all: {pids:?}"
+    );
+    // Its memory went back down: what the calls mapped is unmapped.
+    let rss_kib = |pid: i64| -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    assert!(
+        rss_kib(pids[0]) < 64 * 1024,
+        "{} KiB resident after calls of 64 MiB each",
+        rss_kib(pids[0])
+    );
+}
+
+#[test]
+fn a_sweep_put_back_between_points_answers_as_fresh_children_do() {
+    let dir = common::scratch("reset-sweep");
+    let node = dir.join("node.py");
+    std::fs::write(
+        &node,
+        "import os\nseen = []\ndef process(x):\n    seen.append(x)\n    if x == 5:\n        os._exit(3)\n    if x == 7:\n        raise ValueError(x)\n    return {'x': x, 'seen': list(seen)}\n",
+    )
+    .unwrap();
+    let sweep = |isolation: &str| -> Vec<Value> {
+        let output = std::process::Command::new(common::ZYGOTE)
+            .args([
+                "sweep",
+                node.to_str().unwrap(),
+                "--grid",
+                "x=0..19",
+                "-j",
+                "2",
+            ])
+            .args(["--isolation", isolation])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let mut lines: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        lines.sort_by_key(|l| l["index"].as_u64());
+        for line in &mut lines {
+            line.as_object_mut().unwrap().remove("duration_ms");
+        }
+        lines
+    };
+    let reset = sweep("reset");
+    assert_eq!(reset.len(), 20);
+    assert_eq!(reset, sweep("call"));
+}
