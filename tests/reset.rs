@@ -302,3 +302,77 @@ fn a_sweep_put_back_between_points_answers_as_fresh_children_do() {
     assert_eq!(reset.len(), 20);
     assert_eq!(reset, sweep("call"));
 }
+
+/// A call runs in the same process as the runtime that puts it back, with
+/// the same control socket: it can write the word that says "put back"
+/// itself, and read from the socket the next call's assignment comes down.
+/// Neither gets it the next call: the assignment goes only to a child seen
+/// from outside at the runtime's own wait, one thread, no node code
+/// running.
+#[test]
+fn a_call_that_forges_its_childs_word_never_gets_the_next_call() {
+    let dir = common::scratch("reset-forge");
+    let loot = dir.join("loot");
+    let source = format!(
+        r#"import json, os, sys, threading, time
+LOOT = {loot:?}
+def fds(kind):
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{{fd}}").startswith(kind) and int(fd) > 2:
+                yield int(fd)
+        except OSError:
+            pass
+def steal(fd):
+    with open(LOOT, "ab") as out:
+        while True:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                return
+            out.write(data)
+            out.flush()
+def process(role, secret=None, id=None):
+    if role == "victim":
+        return [os.getpid(), secret[::-1]]
+    for fd in list(fds("socket:")):
+        os.write(fd, b"ready\n")
+        if role == "thief":
+            threading.Thread(target=steal, args=(fd,), daemon=True).start()
+        else:
+            # The reply forged on the call's own line pipe, then the
+            # socket read on this very thread.
+            for line_fd in list(fds("pipe:")):
+                reply = {{"id": id, "call_id": "", "ok": True, "result": [os.getpid(), "forged"], "logs": ""}}
+                os.write(line_fd, (json.dumps(reply) + "\n").encode())
+            steal(fd)
+    return [os.getpid(), role]
+"#,
+        loot = loot.display().to_string()
+    );
+    for (round, role) in ["thief", "blocker"].into_iter().enumerate() {
+        let secret = format!("next-call-secret-{round}-{}", std::process::id());
+        let mut worker = reset_worker();
+        let base = 10 * round as i64;
+        let (attacker, _) = served(
+            &worker
+                .call(&run(base, "n", &source, json!({"role": role, "id": base})))
+                .reply,
+        );
+        let reply = worker
+            .call(&run(
+                base + 1,
+                "n",
+                &source,
+                json!({"role": "victim", "secret": secret}),
+            ))
+            .reply;
+        let (victim, result) = served(&reply);
+        assert_eq!(result, secret.chars().rev().collect::<String>());
+        assert_ne!(victim, attacker, "{role}: the attacker's child was retired");
+        let stolen = std::fs::read(&loot).unwrap_or_default();
+        assert!(
+            !String::from_utf8_lossy(&stolen).contains(&secret),
+            "{role}: the next call's assignment reached the call before it"
+        );
+    }
+}

@@ -110,6 +110,7 @@ fn color(server: Server) -> RGBColor {
         Server::Ours(Variant::Call) => RGBColor(31, 119, 180),
         Server::Ours(Variant::Standby(_)) => RGBColor(23, 190, 207),
         Server::Ours(Variant::Node) => RGBColor(44, 160, 44),
+        Server::Ours(Variant::Reset) => RGBColor(188, 189, 34),
         Server::OursRestarted => RGBColor(148, 103, 189),
         Server::SharedZygote => RGBColor(140, 86, 75),
         Server::Floor { .. } => RGBColor(30, 30, 30),

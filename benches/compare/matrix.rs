@@ -139,6 +139,7 @@ impl Server {
             Server::Ours(Variant::Call) => "ours, `--isolation call`".into(),
             Server::Ours(Variant::Standby(n)) => format!("ours, `--isolation call --standby {n}`"),
             Server::Ours(Variant::Node) => "ours, `--isolation node`".into(),
+            Server::Ours(Variant::Reset) => "ours, `--isolation reset`".into(),
             Server::OursRestarted => "ours, `worker` process killed and restarted".into(),
             Server::SharedZygote => "ours, pool slots sharing one zygote".into(),
             Server::Floor {
@@ -173,6 +174,7 @@ impl Server {
             Server::Ours(Variant::Call) => "ours, call".into(),
             Server::Ours(Variant::Standby(n)) => format!("ours, call, standby {n}"),
             Server::Ours(Variant::Node) => "ours, node".into(),
+            Server::Ours(Variant::Reset) => "ours, reset".into(),
             Server::OursRestarted => "ours, worker restarted".into(),
             Server::SharedZygote => "ours, shared zygote".into(),
             Server::Floor { .. } => "C fork floor".into(),
@@ -366,11 +368,12 @@ impl Context<'_> {
         format!("{}def process(x):\n    return x + 1\n", self.imports)
     }
 
-    fn our_variants(&self) -> [Variant; 3] {
+    fn our_variants(&self) -> [Variant; 4] {
         [
             Variant::Call,
             Variant::Standby(self.options.standby),
             Variant::Node,
+            Variant::Reset,
         ]
     }
 
@@ -591,7 +594,7 @@ impl Context<'_> {
                 note,
             );
         }
-        let rate = node.and_then(|node| {
+        let rate = node.clone().and_then(|node| {
             self.ours
                 .sweep_rate(Variant::Node, &node, (calls, IN_FLIGHT), &[])
         });
@@ -600,6 +603,16 @@ impl Context<'_> {
             Server::Ours(Variant::Node),
             rate.map(Metric::Rate),
             "`sweep -j 2 --isolation node`: a resident child per call in flight, serving its calls in turn",
+        );
+        let rate = node.and_then(|node| {
+            self.ours
+                .sweep_rate(Variant::Reset, &node, (calls, IN_FLIGHT), &[])
+        });
+        self.push(
+            scenario,
+            Server::Ours(Variant::Reset),
+            rate.map(Metric::Rate),
+            "`sweep -j 2 --isolation reset`: a resident child per call in flight, put back after each call",
         );
         let (server, run) = self.floor(calls, IN_FLIGHT);
         let note = run.as_ref().map(|r| r.profile.clone()).unwrap_or_default();

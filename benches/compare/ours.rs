@@ -17,6 +17,9 @@ pub enum Variant {
     Standby(usize),
     /// `--isolation node`: one resident child per node.
     Node,
+    /// `--isolation reset`: one resident child per node, put back after
+    /// each call.
+    Reset,
 }
 
 /// The `fluksio-zygote` binary, with the zygote flags every row shares.
@@ -48,6 +51,9 @@ impl Ours {
             Variant::Node => {
                 command.args(["--isolation", "node"]);
             }
+            Variant::Reset => {
+                command.args(["--isolation", "reset"]);
+            }
         }
         command
     }
@@ -66,6 +72,7 @@ impl Ours {
                 env.push(("FLUKSIO_STANDBY", n.to_string()));
             }
             Variant::Node => env.push(("FLUKSIO_ISOLATION", "node".into())),
+            Variant::Reset => env.push(("FLUKSIO_ISOLATION", "reset".into())),
         }
         env
     }

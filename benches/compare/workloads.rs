@@ -157,6 +157,9 @@ pub enum Way {
     CallNoLearn,
     /// `sweep --isolation node`: a resident child per lane.
     Node,
+    /// `sweep --isolation reset`: a resident child per call in flight, put
+    /// back after each point.
+    Reset,
     /// `joblib.Parallel(n_jobs=2)`, its default (loky) backend.
     Joblib,
     /// `ProcessPoolExecutor(2)`, fork start method.
@@ -167,11 +170,12 @@ pub enum Way {
 
 impl Way {
     /// Every row, in the table's order.
-    pub const ALL: [Way; 7] = [
+    pub const ALL: [Way; 8] = [
         Way::Call,
         Way::CallWarmup,
         Way::CallNoLearn,
         Way::Node,
+        Way::Reset,
         Way::Joblib,
         Way::Fork,
         Way::Loop,
@@ -184,6 +188,7 @@ impl Way {
             Way::CallWarmup => "ours, `--isolation call --warmup first`",
             Way::CallNoLearn => "ours, `--isolation call --learn-imports off`",
             Way::Node => "ours, `--isolation node`",
+            Way::Reset => "ours, `--isolation reset`",
             Way::Joblib => "joblib.Parallel(n_jobs=2)",
             Way::Fork => "ProcessPoolExecutor(2), fork",
             Way::Loop => "for-loop",
@@ -197,6 +202,7 @@ impl Way {
             Way::CallWarmup => "ours, call, --warmup first",
             Way::CallNoLearn => "ours, call, --learn-imports off",
             Way::Node => "ours, node",
+            Way::Reset => "ours, reset",
             Way::Joblib => "joblib",
             Way::Fork => "ProcessPoolExecutor, fork",
             Way::Loop => "for-loop",

@@ -46,6 +46,11 @@ pub struct Resident {
     key: NodeKey,
     digest: String,
     calls: u64,
+    /// `--isolation reset`: where it blocks waiting for its next call,
+    /// as `/proc/PID/syscall` shows it, learned before any call ran in it.
+    /// `None` where it has none (its snapshot failed): it is retired at
+    /// its next call.
+    wait_point: Option<String>,
 }
 
 impl Resident {
@@ -58,7 +63,17 @@ impl Resident {
             key: key.clone(),
             digest: digest.to_string(),
             calls: 0,
+            wait_point: None,
         }
+    }
+
+    /// `--isolation reset`, a resident just forked: waits for it to take
+    /// its snapshot, and learns where it then waits for a call. Nothing of
+    /// a call has run in it yet, so what it shows is the runtime's own.
+    pub(super) fn learn_wait_point(&mut self) -> Result<(), String> {
+        self.read_word()?;
+        self.wait_point = Some(self.blocked_waiting(None)?);
+        Ok(())
     }
 
     /// Hands it its next call. A child that died since its last reply is
@@ -84,8 +99,23 @@ impl Resident {
     }
 
     /// `--isolation reset`: waits for its word after its last call, that
-    /// it is put back (or why it could not be, and so exits).
+    /// it is put back (or why it could not be, and so exits), then checks
+    /// it from outside: one thread, blocked where it waits for its next
+    /// call. A call can write the word itself (it runs in the same
+    /// process, with the same socket), so the word alone is not trusted:
+    /// the next call's assignment goes only to a child that is at the
+    /// runtime's own wait, where no node code can be running.
     fn put_back(&self) -> Result<(), String> {
+        let Some(wait_point) = &self.wait_point else {
+            return Err("it has no snapshot".into());
+        };
+        self.read_word()?;
+        self.blocked_waiting(Some(wait_point)).map(drop)
+    }
+
+    /// Reads its word from the control socket: `Ok` for "ready", the
+    /// reason it gives (or that it exited) otherwise.
+    fn read_word(&self) -> Result<(), String> {
         use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
         let mut fds = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
         let within =
@@ -105,10 +135,41 @@ impl Resident {
             )
         };
         let word = String::from_utf8_lossy(&word[..n.max(0) as usize]);
-        match word.trim_end() {
-            READY => Ok(()),
-            "" => Err("it exited".into()),
-            why => Err(why.strip_prefix(RETIRED).unwrap_or(why).to_string()),
+        if let Some(why) = word.lines().find_map(|line| line.strip_prefix(RETIRED)) {
+            return Err(why.to_string());
+        }
+        if word.lines().any(|line| line == READY) {
+            Ok(())
+        } else {
+            Err("it exited".into())
+        }
+    }
+
+    /// Waits (within [`PUT_BACK_WITHIN`]) until its one thread is blocked
+    /// in a system call, at `expected` where given; the call as
+    /// `/proc/PID/syscall` shows it (number, arguments, stack, code).
+    fn blocked_waiting(&self, expected: Option<&String>) -> Result<String, String> {
+        let pid = self.flight.pid.as_raw();
+        let started = std::time::Instant::now();
+        loop {
+            let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |t| t.count());
+            let syscall = std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+                .map_err(|e| format!("its state cannot be read ({e})"))?;
+            let syscall = wait_of(syscall.trim());
+            let blocked = threads == 1 && syscall != "running" && !syscall.is_empty();
+            match expected {
+                _ if !blocked => {}
+                None => return Ok(syscall),
+                Some(expected) if *expected == syscall => return Ok(syscall),
+                // Blocked elsewhere: in a call's own code, or on its way.
+                Some(_) => {}
+            }
+            if started.elapsed() > PUT_BACK_WITHIN {
+                return Err(format!(
+                    "not at its wait for a call within {PUT_BACK_WITHIN:?} ({threads} threads, {syscall})"
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
         }
     }
 
@@ -222,6 +283,21 @@ impl Residents {
     }
 }
 
+/// A blocked system call as `/proc/PID/syscall` shows it, less what the
+/// call does not use: its number, the three arguments a `read` takes, the
+/// stack and code addresses (the other argument registers hold whatever
+/// was left in them).
+fn wait_of(syscall: &str) -> String {
+    let fields: Vec<&str> = syscall.split_whitespace().collect();
+    if fields.len() < 9 {
+        return syscall.to_string();
+    }
+    [
+        fields[0], fields[1], fields[2], fields[3], fields[7], fields[8],
+    ]
+    .join(" ")
+}
+
 /// How long a resident has to put itself back after a call.
 const PUT_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 /// A reset resident's word: put back, waiting for its next call ...
@@ -324,12 +400,13 @@ fn serve_resetting(
     };
     drop(set_up);
     let reset = crate::reset::Reset::take();
-    if let Err(why) = &reset {
+    match &reset {
+        Ok(_) => tell(&control, READY),
         // Its first call is served as a fresh child's, then it is gone.
-        tell(
+        Err(why) => tell(
             &control,
             &format!("{RETIRED}no snapshot could be taken: {why}"),
-        );
+        ),
     }
     let mut first_call = true;
     loop {

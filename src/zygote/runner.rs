@@ -217,6 +217,12 @@ impl Runner {
         let (flight, control) = self.dispatch(py, nodes, &set_up, logs_so_far, true)?;
         let control = control.expect("kept");
         let mut resident = Resident::new(flight, control, &assignment.key, &assignment.digest);
+        if let Err(why) = resident.learn_wait_point() {
+            // It serves this call as a fresh child would, and is retired
+            // before the next.
+            tracing::info!("a resident could not take its snapshot ({why}); it serves one call");
+            crate::metrics::reset_retired();
+        }
         resident.hand(assignment);
         Ok((resident, true))
     }

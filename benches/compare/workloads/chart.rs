@@ -15,7 +15,9 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::super::chart::{load_font, number, write_png};
 use super::super::support::factor_text;
-use super::report::{CALL_LONG_TARGET, CALL_SHORT_TARGET, LONG_POINT_MS, NODE_TARGET};
+use super::report::{
+    CALL_LONG_TARGET, CALL_SHORT_TARGET, LONG_POINT_MS, NODE_TARGET, RESET_TARGET,
+};
 use super::{Results, Way, WorkloadResult};
 
 const WIDTH: u32 = 1400;
@@ -28,11 +30,12 @@ const TOP: i32 = 110;
 const BOTTOM: i32 = 70;
 
 /// The rows with a bar: every row but joblib, which is the 1× line.
-const BARS: [Way; 6] = [
+const BARS: [Way; 7] = [
     Way::Call,
     Way::CallWarmup,
     Way::CallNoLearn,
     Way::Node,
+    Way::Reset,
     Way::Fork,
     Way::Loop,
 ];
@@ -43,6 +46,7 @@ fn color(way: Way) -> RGBColor {
         Way::CallWarmup => RGBColor(23, 190, 207),
         Way::CallNoLearn => RGBColor(148, 103, 189),
         Way::Node => RGBColor(44, 160, 44),
+        Way::Reset => RGBColor(188, 189, 34),
         Way::Joblib => RGBColor(30, 30, 30),
         Way::Fork => RGBColor(255, 127, 14),
         Way::Loop => RGBColor(214, 39, 40),
@@ -58,6 +62,7 @@ fn bar(workload: &WorkloadResult, way: Way) -> Option<f64> {
 fn target(workload: &WorkloadResult, way: Way) -> Option<f64> {
     match way {
         Way::Node => Some(NODE_TARGET),
+        Way::Reset => Some(RESET_TARGET),
         Way::Call => workload.point_ms.map(|ms| {
             if ms >= LONG_POINT_MS {
                 CALL_LONG_TARGET

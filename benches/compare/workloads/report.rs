@@ -16,6 +16,9 @@ use super::{JOBS, Results, Row, Way, WorkloadOptions, WorkloadResult, compare};
 
 /// `--isolation node` against joblib, on every workload.
 pub const NODE_TARGET: f64 = 0.8;
+/// `--isolation reset` against joblib, on every workload: isolated calls
+/// no slower than joblib's reused workers.
+pub const RESET_TARGET: f64 = 1.0;
 /// `--isolation call` against joblib where a point takes [`LONG_POINT_MS`]
 /// or more: the fork is paid back.
 pub const CALL_LONG_TARGET: f64 = 1.0;
@@ -174,9 +177,10 @@ pub fn targets(results: &Results) -> String {
     let mut out = format!(
         "| workload | a point, in process | `--isolation call`, a call's p50 (beyond the point) | \
          `--isolation node` ≤ {NODE_TARGET}× joblib | \
+         `--isolation reset` ≤ {RESET_TARGET}× joblib | \
          `--isolation call` ≤ {CALL_LONG_TARGET}× joblib, points of {LONG_POINT_MS} ms or more | \
          `--isolation call` ≤ {CALL_SHORT_TARGET}× joblib, points under {LONG_POINT_MS} ms |\n\
-         | --- | ---: | ---: | --- | --- | --- |\n"
+         | --- | ---: | ---: | --- | --- | --- | --- |\n"
     );
     for workload in &results.workloads {
         let point = workload.point_ms.map(milliseconds).unwrap_or_default();
@@ -193,6 +197,7 @@ pub fn targets(results: &Results) -> String {
             })
             .unwrap_or_default();
         let node = verdict(workload, Way::Node, NODE_TARGET);
+        let reset = verdict(workload, Way::Reset, RESET_TARGET);
         let (long, short) = match workload.point_ms {
             Some(ms) if ms >= LONG_POINT_MS => (
                 verdict(workload, Way::Call, CALL_LONG_TARGET),
@@ -209,9 +214,10 @@ pub fn targets(results: &Results) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {point} | {call} | {} | {} | {} |",
+            "| {} | {point} | {call} | {} | {} | {} | {} |",
             workload.name,
             cell(&node),
+            cell(&reset),
             cell(&long),
             cell(&short)
         );
