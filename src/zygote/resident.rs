@@ -151,18 +151,33 @@ impl Resident {
     fn blocked_waiting(&self, expected: Option<&String>) -> Result<String, String> {
         let pid = self.flight.pid.as_raw();
         let started = std::time::Instant::now();
+        // Since when it has been blocked somewhere else: a child on its way
+        // to its wait is running, so one that stays blocked elsewhere (in a
+        // call's own code) is not coming.
+        let mut elsewhere_since = None;
         loop {
             let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |t| t.count());
             let syscall = std::fs::read_to_string(format!("/proc/{pid}/syscall"))
                 .map_err(|e| format!("its state cannot be read ({e})"))?;
             let syscall = wait_of(syscall.trim());
-            let blocked = threads == 1 && syscall != "running" && !syscall.is_empty();
+            // "running" on a CPU, "-1 …" stopped outside any system call
+            // (preempted, faulting): on its way, either.
+            let blocked = threads == 1
+                && syscall != "running"
+                && !syscall.starts_with("-1")
+                && !syscall.is_empty();
             match expected {
-                _ if !blocked => {}
+                _ if !blocked => elsewhere_since = None,
                 None => return Ok(syscall),
                 Some(expected) if *expected == syscall => return Ok(syscall),
-                // Blocked elsewhere: in a call's own code, or on its way.
-                Some(_) => {}
+                Some(expected) => {
+                    let since = *elsewhere_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() > BLOCKED_ELSEWHERE_WITHIN {
+                        return Err(format!(
+                            "blocked outside its wait for a call ({syscall}; it waits at {expected})"
+                        ));
+                    }
+                }
             }
             if started.elapsed() > PUT_BACK_WITHIN {
                 return Err(format!(
@@ -300,6 +315,9 @@ fn wait_of(syscall: &str) -> String {
 
 /// How long a resident has to put itself back after a call.
 const PUT_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long one may stay blocked outside its wait after its word: between
+/// the word and the wait it makes no system call that blocks.
+const BLOCKED_ELSEWHERE_WITHIN: std::time::Duration = std::time::Duration::from_millis(250);
 /// A reset resident's word: put back, waiting for its next call ...
 const READY: &str = "ready";
 /// ... or not, and why.
@@ -410,7 +428,10 @@ fn serve_resetting(
     }
     let mut first_call = true;
     loop {
-        let Some(call) = assignment::next_assignment(control.as_raw_fd()) else {
+        // Every wait the same, in the same frame: the zygote tells this
+        // wait from any other by its stack address. An optimiser that
+        // peeled the first turn of this loop would move it.
+        let Some(call) = std::hint::black_box(wait_for_call)(control.as_raw_fd()) else {
             fluksio_embed::finish::at_end(py, fluksio_embed::finish::Ending::Exit);
             crate::process::exit_now(0)
         };
@@ -428,6 +449,12 @@ fn serve_resetting(
         }
         crate::reset::wipe_stack_below();
     }
+}
+
+/// Where a reset resident waits for its next call (and the only place).
+#[inline(never)]
+fn wait_for_call(control: RawFd) -> Option<Assignment> {
+    assignment::next_assignment(control)
 }
 
 /// One call of a reset resident, everything it made dropped on return.

@@ -256,6 +256,7 @@ fn how(results: &Results) -> String {
             Way::CallWarmup => "… the same, `--isolation call --warmup first`".into(),
             Way::CallNoLearn => "… the same, `--isolation call --learn-imports off`".into(),
             Way::Node => "… the same, `--isolation node`".into(),
+            Way::Reset => "… the same, `--isolation reset`".into(),
             _ => format!(
                 "python benches/workloads/baseline.py {} NODE.py POINTS.jsonl OUT.jsonl {JOBS}",
                 way.method().unwrap_or_default()
@@ -344,7 +345,7 @@ mod tests {
             lines[2]
         );
         assert!(
-            lines[3].contains("**0.50×**: met | — | **2.50×**: met"),
+            lines[3].contains("**0.50×**: met | not run | — | **2.50×**: met"),
             "{}",
             lines[3]
         );
