@@ -175,7 +175,11 @@ fn gpu_flags_that_cannot_hold_are_refused_before_any_call() {
     for (args, why) in [
         (
             &["--gpus", "0", "--isolation", "node"][..],
-            "under --isolation node a resident child would keep the GPU",
+            "a resident child would keep the GPU",
+        ),
+        (
+            &["--gpus", "0", "--isolation", "reset"][..],
+            "a resident child would keep the GPU",
         ),
         (&["--gpus", " , "][..], "--gpus names no GPU"),
         (&["--per-gpu", "2"][..], "--gpus"),

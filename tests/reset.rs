@@ -376,3 +376,147 @@ def process(role, secret=None, id=None):
         );
     }
 }
+
+/// A pool slot of a shared zygote (`worker --shared-zygote`, as the pool
+/// starts it) under `--isolation reset`; slots of one scope share a zygote.
+fn reset_slot(scope: &str) -> Worker {
+    Worker::zygote_with(
+        &["--isolation", "reset"],
+        &[
+            ("FLUKSIO_SHARED_ZYGOTE", "1"),
+            ("FLUKSIO_TEST_SCOPE", scope),
+            ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "2"),
+        ],
+    )
+}
+
+/// A slot has its reply before its resident is put back, and a call that
+/// comes meanwhile gets another resident. A pause between calls lets the
+/// first be put back, so that the calls below show reuse; no answer
+/// depends on it.
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(300);
+
+#[test]
+fn pool_slots_of_a_shared_zygote_are_served_by_residents_put_back() {
+    let mut slots = [reset_slot("reset-state"), reset_slot("reset-state")];
+    let mut pids = Vec::new();
+    for x in 0..6 {
+        let slot = &mut slots[x as usize % 2];
+        let (pid, state) = served(&slot.call(&run(x, "state", STATE, json!({"x": x}))).reply);
+        assert_eq!(
+            state,
+            json!({"seen": [], "cached": 0, "colorsys": false, "env": null}),
+            "call {x} saw what an earlier call left"
+        );
+        pids.push(pid);
+        std::thread::sleep(SETTLE);
+    }
+    assert!(
+        (1..pids.len()).any(|i| pids[..i].contains(&pids[i])),
+        "a resident served more than one call: {pids:?}"
+    );
+}
+
+#[test]
+fn no_slot_finds_in_a_resident_what_another_slots_calls_were_sent_or_returned() {
+    let source = victim_or_scanner();
+    let mut victim = reset_slot("reset-scan");
+    let mut scanner = reset_slot("reset-scan");
+    let mut secrets = Vec::new();
+    let mut victims = Vec::new();
+    let mut scanners = Vec::new();
+    for round in 0..4 {
+        let sent = format!("slot-secret-{round}-{}", std::process::id());
+        let request = run(2 * round, "both", &source, json!({"sent": sent}));
+        let (pid, result) = served(&victim.call(&request).reply);
+        assert_eq!(result, sent.chars().rev().collect::<String>());
+        victims.push(pid);
+        secrets.push(result.as_str().expect("a string").to_string());
+        secrets.push(sent);
+        std::thread::sleep(SETTLE);
+        for (id, secret) in (100 * (round + 1)..).zip(&secrets) {
+            let request = run(id, "both", &source, json!({"masked": masked(secret)}));
+            let reply = scanner.call(&request).reply;
+            let (pid, hits) = served(&reply);
+            assert_eq!(
+                hits,
+                json!([]),
+                "another slot's {secret:?} is in a later call's memory: {reply}"
+            );
+            scanners.push(pid);
+        }
+        std::thread::sleep(SETTLE);
+    }
+    assert!(
+        scanners.iter().any(|pid| victims.contains(pid)),
+        "some scan ran in a child that had served a secret: {victims:?} {scanners:?}"
+    );
+}
+
+#[test]
+fn a_slot_killed_mid_call_ends_its_resident_and_the_next_slot_is_served() {
+    let source = "import fluksio, os, subprocess, time\ndef process(hang=False):\n    if hang:\n        sleeper = subprocess.Popen(['setsid', 'sleep', '3600'])\n        fluksio.emit(pids=[os.getpid(), sleeper.pid])\n        time.sleep(3600)\n    return [os.getpid(), 'served']\n";
+    let mut doomed = reset_slot("reset-kill");
+    let mut next = reset_slot("reset-kill");
+    doomed.send(&run(1, "hang", source, json!({"hang": true})));
+    let event = doomed.next_line();
+    let pids = common::pids_in(&event["outputs"]["pids"]);
+    // The pool's timeout: SIGKILL to the slot it spawned.
+    common::sigkill(doomed.pid());
+    for pid in pids {
+        assert!(
+            common::wait_gone(pid, std::time::Duration::from_secs(15)),
+            "{pid} outlived its slot's call"
+        );
+    }
+    let (_, result) = served(&next.call(&run(2, "hang", source, json!({}))).reply);
+    assert_eq!(result, "served");
+}
+
+#[test]
+fn the_agent_serves_its_calls_in_residents_put_back() {
+    use common::agent::{Agent, WAIT};
+    use common::engine::{Answer, Engine};
+    let engine = Engine::start(Answer::Welcome);
+    // What calls import is not learned by the zygote here: each call must
+    // find only what the first did.
+    let agent = Agent::start(
+        &engine.url,
+        &["--isolation", "reset", "--learn-imports", "off"],
+        &[("RUST_LOG", "info")],
+    );
+    let connection = engine.next_connection(WAIT);
+    let request = |x: i64| {
+        json!({"op": "run", "id": x, "call_id": format!("c{x}"), "flow": "f", "node": "state",
+               "source": STATE, "kwargs": {"x": x}})
+    };
+    let mut pids = Vec::new();
+    for x in 0..5 {
+        let (_, reply) = connection.reply_to(&request(x), WAIT);
+        let (pid, state) = served(&reply);
+        assert_eq!(
+            state,
+            json!({"seen": [], "cached": 0, "colorsys": false, "env": null}),
+            "call {x} saw what an earlier call left ({pids:?} {pid}): {}",
+            agent.log()
+        );
+        pids.push(pid);
+        std::thread::sleep(SETTLE);
+    }
+    assert!(
+        (1..pids.len()).any(|i| pids[..i].contains(&pids[i])),
+        "a resident served more than one call: {pids:?}"
+    );
+    // A cancel ends the resident serving the call; the next call is served.
+    let hang = "import time, os\ndef process():\n    time.sleep(3600)\n";
+    connection.send(
+        &json!({"op": "run", "id": 9, "call_id": "hang", "flow": "f",
+                            "node": "hang", "source": hang, "kwargs": {}}),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    connection.send(&json!({"op": "cancel", "call_id": "hang"}));
+    let (_, reply) = connection.reply("hang", WAIT);
+    assert_eq!(reply["error"]["type"], "NodeCancelled", "{reply}");
+    let (_, reply) = connection.reply_to(&request(10), WAIT);
+    assert_eq!(served(&reply).1["seen"], json!([]), "{reply}");
+}

@@ -224,6 +224,7 @@ pub fn targets(results: &Results) -> Vec<String> {
     let over = |a: Option<f64>, b: Option<f64>| Some(a? / b?);
     let call = Server::Ours(Variant::Call);
     let node = Server::Ours(Variant::Node);
+    let reset = Server::Ours(Variant::Reset);
     let pool = Server::Pool;
     let mut lines = vec![
         verdict(
@@ -260,7 +261,25 @@ pub fn targets(results: &Results) -> Vec<String> {
             true,
         ),
     ];
+    lines.push(verdict(
+        "`--isolation reset`, back to back, p50 against the C fork floor at the same anonymous RSS",
+        over(
+            value(Scenario::BackToBack, reset),
+            floor(Scenario::BackToBack),
+        ),
+        1.0,
+        true,
+    ));
     for scenario in [Scenario::Throughput, Scenario::Sweep] {
+        lines.push(verdict(
+            &format!(
+                "{}: `--isolation reset`, calls/s against the C fork floor's with 2 processes",
+                scenario.title()
+            ),
+            over(value(scenario, reset), floor(scenario)),
+            1.0,
+            false,
+        ));
         lines.push(verdict(
             &format!(
                 "{}: `--isolation call` (`sweep -j 2`), calls/s against the C fork floor's with 2 processes",

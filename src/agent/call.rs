@@ -113,6 +113,12 @@ impl Call<'_> {
         self.outbox.started(self.key, pidfd);
     }
 
+    /// The call has its reply: a cancel no longer reaches its child, which
+    /// may be a resident serving another call by then.
+    fn replied(&self) {
+        self.outbox.replied(self.key);
+    }
+
     /// Whether the engine cancelled the call.
     fn cancelled(&self) -> bool {
         self.outbox.cancelled(self.key)
@@ -168,6 +174,9 @@ async fn follow(agent: &Agent, call: &Call<'_>, line: Vec<u8>) -> (String, Optio
                     None => follower.lost("the zygote dropped the call".into(), &mut lines),
                 }
             }
+        }
+        if follower.is_over() {
+            call.replied();
         }
         for line in lines.lines.drain(..) {
             call.outbox.send_raw(&line).await;

@@ -78,10 +78,11 @@ pub fn run(options: AgentOptions) -> ExitCode {
         eprintln!("fluksio-zygote agent: {why}");
         return ExitCode::from(2);
     }
-    if options.zygote.isolation != crate::zygote::resident::Isolation::Call {
+    if options.zygote.isolation == crate::zygote::resident::Isolation::Node {
         tracing::warn!(
-            "--isolation node and reset are served by `worker` (the pool's drop-in) and `sweep`; \
-             the agent runs every call in a fresh child, so that each can be cancelled alone"
+            "--isolation node is served by `worker` (the pool's drop-in) and `sweep`; the agent \
+             runs every call in a fresh child (or, with --isolation reset, a resident put back \
+             after each call), so that no call keeps what another left"
         );
     }
     // The token stays in this process's memory only: what node code (the
@@ -173,6 +174,10 @@ async fn serve(
                 .collect(),
             token: options.token.clone(),
             metrics_page: metrics_page.map(Arc::new),
+            reset: options.zygote.isolation == crate::zygote::resident::Isolation::Reset,
+            max_calls_per_child: options.zygote.max_calls_per_child,
+            threads_per_call: options.zygote.threads_per_call,
+            learn_imports: options.zygote.learn_imports,
         },
         cuda_mask: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
         options,

@@ -120,6 +120,13 @@ impl Outbox {
         }
     }
 
+    /// Call `key` has its reply: its child is no longer its own to kill.
+    pub fn replied(&self, key: u64) {
+        if let Some((_, running)) = lock(&self.running).get_mut(&key) {
+            running.pidfd = None;
+        }
+    }
+
     /// Whether the engine cancelled call `key`.
     pub fn cancelled(&self, key: u64) -> bool {
         lock(&self.running)

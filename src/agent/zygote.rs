@@ -35,6 +35,13 @@ pub struct Launch {
     pub token: String,
     /// `--metrics`: the page the zygote writes its numbers into.
     pub metrics_page: Option<Arc<OwnedFd>>,
+    /// `--isolation reset` (the agent serves no other resident), and
+    /// `--max-calls-per-child`.
+    pub reset: bool,
+    pub max_calls_per_child: Option<u64>,
+    /// `--threads-per-call`, `--learn-imports`.
+    pub threads_per_call: Option<usize>,
+    pub learn_imports: bool,
 }
 
 /// What a call hears from the zygote.
@@ -80,6 +87,18 @@ impl Zygote {
             .arg(crate::lines::max_reply_mb().to_string());
         if let Some(mib) = launch.memory_limit_mib {
             command.arg("--call-memory-limit").arg(mib.to_string());
+        }
+        if launch.reset {
+            command.args(["--isolation", "reset"]);
+        }
+        if let Some(calls) = launch.max_calls_per_child {
+            command.arg("--max-calls-per-child").arg(calls.to_string());
+        }
+        if let Some(threads) = launch.threads_per_call {
+            command.arg("--threads-per-call").arg(threads.to_string());
+        }
+        if !launch.learn_imports {
+            command.args(["--learn-imports", "off"]);
         }
         let page_fd = launch.metrics_page.as_ref().map(|page| page.as_raw_fd());
         if page_fd.is_some() {

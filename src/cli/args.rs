@@ -242,7 +242,8 @@ pub(super) struct ZygoteArgs {
     #[arg(long, env = "FLUKSIO_ISOLATION", value_enum, default_value_t = IsolationArg::Call)]
     pub(super) isolation: IsolationArg,
 
-    /// With --isolation node: calls a node's child serves before a fresh fork replaces it
+    /// With --isolation node or reset: calls a node's child serves before a fresh fork
+    /// replaces it
     #[arg(long, env = "FLUKSIO_MAX_CALLS_PER_CHILD", value_name = "N")]
     pub(super) max_calls_per_child: Option<u64>,
 
@@ -282,7 +283,7 @@ pub(super) enum Switch {
     Off,
 }
 
-#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum IsolationArg {
     Call,
     Node,
@@ -313,6 +314,14 @@ impl ZygoteArgs {
         }
         if !options.learn_imports {
             flags.extend(["--learn-imports".to_string(), "off".to_string()]);
+        }
+        if self.isolation == IsolationArg::Reset {
+            // A shared zygote serves its slots' calls in residents only
+            // under reset (`zygote::placement`).
+            flags.extend(["--isolation".to_string(), "reset".to_string()]);
+        }
+        if let Some(calls) = options.max_calls_per_child {
+            flags.extend(["--max-calls-per-child".to_string(), calls.to_string()]);
         }
         flags
     }

@@ -98,8 +98,12 @@ impl<P: CallPipe> Follower<P> {
         self.kill();
     }
 
-    /// Kills the call's child, once it has one.
+    /// Kills the call's child, once it has one, until the call is over
+    /// (a resident then serves other calls).
     pub fn kill(&self) {
+        if self.over {
+            return;
+        }
         if let Some(child) = &self.child {
             crate::process::pidfd_kill(child.as_fd());
         }

@@ -347,14 +347,7 @@ impl Snapshot {
                     let source = k.view + layout.offset + (start - layout.start);
                     // SAFETY: both ranges are mapped: the region's pages and
                     // the view of the snapshot's bytes for them.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            source as *const u8,
-                            start as *mut u8,
-                            end - start,
-                        )
-                    };
-                    restored.pages += (end - start) / PAGE;
+                    unsafe { put_back_pages(source, start, end, &mut restored) };
                 }
                 from = next;
             }
@@ -369,6 +362,48 @@ impl Snapshot {
         mapping.is_within(self.keep)
             || (mapping.start >= k.view && mapping.end <= k.view + k.size.max(PAGE))
     }
+}
+
+/// Puts back the private pages from `start` to `end`, whose snapshot bytes
+/// are at `source`. A page that differs (written by the call) is copied
+/// back and stays this process's own, so the next call that writes it
+/// takes no fault. A page that does not (written by an earlier call only)
+/// is dropped, and is the snapshot's again: otherwise every page any call
+/// ever wrote would be scanned and copied after every later call, and a
+/// long sweep would slow down call by call.
+///
+/// # Safety
+/// Both ranges must be mapped, readable, and the first writable.
+unsafe fn put_back_pages(source: usize, start: usize, end: usize, restored: &mut Restored) {
+    let mut unchanged_from = None;
+    let drop_unchanged = |from: Option<usize>, to: usize| {
+        if let Some(from) = from {
+            // SAFETY: private pages of a snapshot region, identical to
+            // the snapshot's: dropped, they read as the memfd's again.
+            unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_DONTNEED) };
+        }
+    };
+    let mut page = start;
+    while page < end {
+        let snapshot = source + (page - start);
+        // SAFETY: the caller's ranges, one page of each.
+        let (now, then) = unsafe {
+            (
+                std::slice::from_raw_parts(page as *const u8, PAGE),
+                std::slice::from_raw_parts(snapshot as *const u8, PAGE),
+            )
+        };
+        if now == then {
+            unchanged_from.get_or_insert(page);
+        } else {
+            drop_unchanged(unchanged_from.take(), page);
+            // SAFETY: as above; the pages do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(snapshot as *const u8, page as *mut u8, PAGE) };
+            restored.pages += 1;
+        }
+        page += PAGE;
+    }
+    drop_unchanged(unchanged_from, end);
 }
 
 /// Whether the snapshot's layout has `mapping`, as it is now.

@@ -3,7 +3,7 @@
 //! once the child stands by, and the eventfd that wakes it for it. Also the
 //! exit codes a trial's child answers with.
 
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 use pyo3::prelude::*;
 
@@ -275,6 +275,37 @@ pub fn next_assignment(control: RawFd) -> Option<Assignment> {
             None => crate::process::exit_now(1),
         },
         _ => crate::process::exit_now(1),
+    }
+}
+
+/// In a reset resident: its next call, and where the call's owner reads it
+/// itself (a link's, `zygote::server`), the pipe its lines go down; `None`
+/// once the zygote closed the control socket. A garbled one ends the child.
+pub fn next_call(control: RawFd) -> Option<(Assignment, Option<OwnedFd>)> {
+    use crate::link::{Received, Receiver};
+    // SAFETY: the control socket is this child's, open while it reads.
+    let control = unsafe { std::os::fd::BorrowedFd::borrow_raw(control) };
+    // The zygote sends nothing past a call's assignment until this child
+    // says it is put back, so nothing read here belongs to a later call.
+    let mut receiver = Receiver::default();
+    let mut pipe = None;
+    loop {
+        match receiver.next_frame() {
+            Ok(Some(Frame::Pipe { pipe: given, .. })) => pipe = Some(given),
+            Ok(Some(Frame::Assign { assignment })) => {
+                return match Assignment::decode(&assignment) {
+                    Some(assignment) => Some((assignment, pipe)),
+                    None => crate::process::exit_now(1),
+                };
+            }
+            Ok(Some(_)) | Err(_) => crate::process::exit_now(1),
+            // Blocking: this is where the zygote sees it wait for a call.
+            Ok(None) => match receiver.receive(control) {
+                Ok(Received::Data) => {}
+                Ok(Received::WouldBlock) => crate::process::exit_now(1),
+                Ok(Received::Closed) | Err(_) => return None,
+            },
+        }
     }
 }
 

@@ -114,6 +114,11 @@ impl Flight {
         }
     }
 
+    /// Adds its exit (alone) to what `set` waits for.
+    pub fn watch_exit<'a>(&'a self, set: &mut PollSet<'a>) -> Key {
+        set.exit(self.pid, &self.exit)
+    }
+
     /// Waits at most `limit` for the child to exit; whether it did.
     pub fn wait_exit(&self, limit: std::time::Duration) -> bool {
         crate::poll_set::wait_exit(self.pid, &self.exit, limit)

@@ -105,6 +105,20 @@ pub struct Zygote {
     spawn_own: Option<SpawnOwn>,
 }
 
+/// A run started for a caller that follows it itself (a link's owner).
+pub enum Detached {
+    /// A fresh child: its pipe is the caller's to hand over, and it is the
+    /// caller's to land once it exits.
+    Child(Flight),
+    /// `--isolation reset`: the node's resident, its lines going down
+    /// `pipe` (the owner's end). Once it says it is put back it waits for
+    /// the node's next call ([`Zygote::keep_resident`]); ended, it lands.
+    Resident {
+        resident: resident::Resident,
+        pipe: std::os::fd::OwnedFd,
+    },
+}
+
 /// The zygote must re-execute itself before it serves anything else (see
 /// `recovery`).
 #[derive(Debug)]
@@ -156,7 +170,7 @@ impl Zygote {
         py: Python<'_>,
         request: &Request,
         out: &mut dyn CallOutput,
-    ) -> Result<Option<Flight>, MustRecover> {
+    ) -> Result<Option<Detached>, MustRecover> {
         self.serve_maybe_detached(py, request, out, true)
     }
 
@@ -166,7 +180,7 @@ impl Zygote {
         request: &Request,
         out: &mut dyn CallOutput,
         detach: bool,
-    ) -> Result<Option<Flight>, MustRecover> {
+    ) -> Result<Option<Detached>, MustRecover> {
         match self.serve_request(py, request, out, detach) {
             Err(Stop::Recover) => Err(MustRecover { answered: false }),
             Ok(flight) if !self.needs_recovery() => Ok(flight),
@@ -183,7 +197,7 @@ impl Zygote {
         request: &Request,
         out: &mut dyn CallOutput,
         detach: bool,
-    ) -> Result<Option<Flight>, Stop> {
+    ) -> Result<Option<Detached>, Stop> {
         let digest = node::source_digest(&request.source);
         let assignment = |task| Assignment::for_request(request, task, &digest);
 
@@ -252,6 +266,23 @@ impl Zygote {
             }
             trial_logs = Some(landed.logs);
         }
+        if detach && self.placement.resident_for_link() {
+            let resident = assignment(Task::Resident);
+            let _held = resident.held();
+            return match self
+                .runner
+                .resident_for_link(py, &self.nodes, &resident, trial_logs)
+            {
+                Ok((resident, forked, pipe)) => {
+                    out.started(resident.flight().pid);
+                    if forked {
+                        self.replenish(py);
+                    }
+                    Ok(Some(Detached::Resident { resident, pipe }))
+                }
+                Err(error) => Err(runner::not_started(&resident, error, out)),
+            };
+        }
         if self.placement.resident(detach) {
             let resident = assignment(Task::Resident);
             return self
@@ -266,7 +297,7 @@ impl Zygote {
                 .start(py, &self.nodes, &assignment(Task::Run), trial_logs, out)?;
         if detach {
             // The caller hands the pipe over first, then replenishes.
-            return Ok(Some(flight));
+            return Ok(Some(Detached::Child(flight)));
         }
         // A call shorter than a fork is answered before the next standby is
         // forked; a longer one has that fork made beside it, on the other core.

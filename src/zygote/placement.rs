@@ -78,12 +78,20 @@ impl Placement {
         }
     }
 
-    /// Whether a run is served by its node's resident child: under
-    /// `--isolation node`, where this zygote follows the call itself. A
-    /// call whose pipe is handed to an owner over a link gets a fresh
-    /// child, which that owner can end alone (a cancel, a timeout).
+    /// Whether a run is served by its node's resident child, where this
+    /// zygote follows the call itself: under `--isolation node` and
+    /// `reset`.
     pub fn resident(&self, handed_over: bool) -> bool {
         matches!(self.isolation, Isolation::Node | Isolation::Reset) && !handed_over
+    }
+
+    /// Whether a run whose lines a link's owner reads is served by its
+    /// node's resident: under `--isolation reset`, whose resident is put
+    /// back before anyone else's call, with a pipe of each call's own.
+    /// (Under `--isolation node` such a run gets a fresh child: a resident
+    /// that keeps a call's state is a worker's, one caller's.)
+    pub fn resident_for_link(&self) -> bool {
+        self.isolation == Isolation::Reset
     }
 }
 

@@ -13,7 +13,7 @@
 //! until the resident is retired.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use pyo3::prelude::*;
 
@@ -51,6 +51,29 @@ pub struct Resident {
     /// `None` where it has none (its snapshot failed): it is retired at
     /// its next call.
     wait_point: Option<String>,
+    /// A link's call: the read end of the pipe its lines went down, whose
+    /// owner reads them. No one else's call is handed it before that owner
+    /// has read them all, so nothing the owner does for its call (a late
+    /// cancel) can reach the next.
+    owner_end: Option<Claimed>,
+}
+
+/// A pipe of a link's call's own, for a resident to write the call's lines
+/// down and the call's owner to read them from.
+pub struct CallPipe {
+    /// The owner's end, to hand over the link.
+    pub read: OwnedFd,
+    write: OwnedFd,
+    /// Kept by the zygote: see [`Resident::owner_has_read`].
+    kept: Claimed,
+}
+
+impl CallPipe {
+    pub(super) fn new() -> std::io::Result<CallPipe> {
+        let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let kept = Claimed::new(read.try_clone()?);
+        Ok(CallPipe { read, write, kept })
+    }
 }
 
 impl Resident {
@@ -64,6 +87,7 @@ impl Resident {
             digest: digest.to_string(),
             calls: 0,
             wait_point: None,
+            owner_end: None,
         }
     }
 
@@ -76,11 +100,40 @@ impl Resident {
         Ok(())
     }
 
-    /// Hands it its next call. A child that died since its last reply is
-    /// found out by following it: its flight says how it ended.
-    pub(super) fn hand(&mut self, assignment: &Assignment) {
+    /// Hands it its next call, whose lines go down `pipe` where it has one
+    /// (a link's call), else down the child's own pipe. A child that died
+    /// since its last reply is found out by following it: its flight says
+    /// how it ended.
+    pub(super) fn hand(&mut self, assignment: &Assignment, pipe: Option<CallPipe>) {
+        self.owner_end = None;
+        if let Some(CallPipe { write, kept, .. }) = pipe {
+            let frame = crate::link::Frame::Pipe {
+                ticket: 0,
+                pipe: write,
+            };
+            let _ = crate::link::send(self.control.as_fd(), &frame);
+            self.owner_end = Some(kept);
+        }
         let _ = assignment::send_assignment(&self.control, assignment);
         self.flight.rearm();
+    }
+
+    /// Whether the owner of its last call (a link's) has read every line of
+    /// it: its reply, and so the end of what it does for that call.
+    fn owner_has_read(&self) -> bool {
+        let Some(end) = &self.owner_end else {
+            return true;
+        };
+        let mut unread: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int, here a local, for an open pipe.
+        let done = unsafe { libc::ioctl(end.as_raw_fd(), libc::FIONREAD, &mut unread) };
+        done == 0 && unread == 0
+    }
+
+    /// The control socket, for a server to wait on its word after a link's
+    /// call (it says it once the call is over and it is put back).
+    pub fn control(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.control.as_fd()
     }
 
     /// Its child, followed as any call's.
@@ -244,6 +297,16 @@ impl Residents {
             return None;
         }
         while let Some(resident) = idle.pop() {
+            if !resident.owner_has_read() {
+                // Its last call's owner has not read its reply (a slow or
+                // a dead one): it may yet act on that call's child.
+                tracing::debug!(
+                    pid = resident.flight.pid.as_raw(),
+                    "a resident's last call is not read yet; it is retired"
+                );
+                resident.retire(&mut land);
+                continue;
+            }
             if !self.reset {
                 return Some(resident);
             }
@@ -408,7 +471,12 @@ fn serve_resetting(
                 Err(error) => {
                     // Its first call is answered with the load's error, as
                     // a fresh child's would be.
-                    let call = assignment::receive(control.as_raw_fd());
+                    let Some((call, pipe)) = assignment::next_call(control.as_raw_fd()) else {
+                        crate::process::exit_now(0)
+                    };
+                    if let Some(pipe) = pipe {
+                        let _ = ReplyFd::new(reply_fd).map(|reply| reply.take(pipe));
+                    }
                     super::channel::open(reply_fd, &call.call_id);
                     answer(py, &call, Err(error));
                     crate::process::exit_now(0)
@@ -417,6 +485,14 @@ fn serve_resetting(
         }
     };
     drop(set_up);
+    // Taken before the snapshot, so its fd is one the reset expects.
+    let reply = match ReplyFd::new(reply_fd) {
+        Ok(reply) => reply,
+        Err(error) => {
+            tell(&control, &format!("{RETIRED}its reply pipe: {error}"));
+            crate::process::exit_now(0)
+        }
+    };
     let reset = crate::reset::Reset::take();
     match &reset {
         Ok(_) => tell(&control, READY),
@@ -431,11 +507,11 @@ fn serve_resetting(
         // Every wait the same, in the same frame: the zygote tells this
         // wait from any other by its stack address. An optimiser that
         // peeled the first turn of this loop would move it.
-        let Some(call) = std::hint::black_box(wait_for_call)(control.as_raw_fd()) else {
+        let Some((call, pipe)) = std::hint::black_box(wait_for_call)(control.as_raw_fd()) else {
             fluksio_embed::finish::at_end(py, fluksio_embed::finish::Ending::Exit);
             crate::process::exit_now(0)
         };
-        serve_one(py, call, &function, reply_fd, logs, first_call);
+        serve_one(py, call, pipe, &function, &reply, logs, first_call);
         first_call = false;
         let Ok(reset) = &reset else {
             crate::process::exit_now(0)
@@ -453,24 +529,31 @@ fn serve_resetting(
 
 /// Where a reset resident waits for its next call (and the only place).
 #[inline(never)]
-fn wait_for_call(control: RawFd) -> Option<Assignment> {
-    assignment::next_assignment(control)
+fn wait_for_call(control: RawFd) -> Option<(Assignment, Option<OwnedFd>)> {
+    assignment::next_call(control)
 }
 
 /// One call of a reset resident, everything it made dropped on return.
+/// Its lines go down `pipe` where it came with one (its owner reads them),
+/// else down the child's own pipe, which the zygote reads.
 #[inline(never)]
 fn serve_one(
     py: Python<'_>,
     call: Assignment,
+    pipe: Option<OwnedFd>,
     function: &Bound<'_, PyAny>,
-    reply_fd: RawFd,
+    reply: &ReplyFd,
     logs: &LogBuffer,
     first_call: bool,
 ) {
     if !first_call {
         logs.clear();
     }
-    super::channel::open(reply_fd, &call.call_id);
+    let own_pipe = pipe.is_some();
+    if let Some(pipe) = pipe {
+        reply.take(pipe);
+    }
+    super::channel::open(reply.fd, &call.call_id);
     let outcome = child::apply_env(py, &call.env, false)
         .and_then(|()| child::invoke(py, &call, function))
         .map(Some);
@@ -478,6 +561,62 @@ fn serve_one(
     // What the call left open in files is written out before its memory
     // goes (the files' fds then retire the resident).
     fluksio_embed::finish::between_calls(py);
+    if own_pipe {
+        // Its owner reads to the end of it once the call's processes are
+        // gone too; the fds are again what the reset compares.
+        reply.put_back();
+    }
+}
+
+/// The fd a resident's lines go down, as it was forked with it: a call
+/// that brings a pipe of its own (a link's) has it there for the call, and
+/// the child's own is put back after it.
+struct ReplyFd {
+    fd: RawFd,
+    own: OwnedFd,
+    /// Its `FD_CLOEXEC`, which `dup2` does not carry and the reset compares.
+    cloexec: bool,
+}
+
+impl ReplyFd {
+    fn new(fd: RawFd) -> std::io::Result<ReplyFd> {
+        // SAFETY: `fd` is this child's reply pipe, open for its life.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let flags = nix::fcntl::fcntl(borrowed, nix::fcntl::FcntlArg::F_GETFD)?;
+        // Kept next to it, above the fds a node's own code gets first (a
+        // test that wants two consecutive fds finds them where it would in
+        // a fresh child).
+        let own = nix::fcntl::fcntl(borrowed, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(fd + 1))?;
+        Ok(ReplyFd {
+            fd,
+            // SAFETY: the kernel just returned this fd to us.
+            own: unsafe { OwnedFd::from_raw_fd(own) },
+            cloexec: flags & libc::FD_CLOEXEC != 0,
+        })
+    }
+
+    /// The call's `pipe` in the reply fd's place.
+    fn take(&self, pipe: OwnedFd) {
+        self.install(pipe.as_raw_fd());
+    }
+
+    /// The child's own pipe back in its place (the call's is closed).
+    fn put_back(&self) {
+        self.install(self.own.as_raw_fd());
+    }
+
+    fn install(&self, from: RawFd) {
+        // SAFETY: both are this child's open fds; dup2 replaces `self.fd`,
+        // which nothing else holds.
+        unsafe {
+            libc::dup2(from, self.fd);
+            libc::fcntl(
+                self.fd,
+                libc::F_SETFD,
+                if self.cloexec { libc::FD_CLOEXEC } else { 0 },
+            );
+        }
+    }
 }
 
 /// A word to the zygote on the control socket.

@@ -2,6 +2,7 @@
 //! standby, or a node's resident), followed, landed, and answered for
 //! where its child did not answer; the children kept between calls.
 
+use std::os::fd::OwnedFd;
 use std::time::{Duration, SystemTime};
 
 use fluksio_embed::capture::LogBuffer;
@@ -10,7 +11,7 @@ use pyo3::prelude::*;
 use super::assignment::{Assignment, Task};
 use super::compiled::Nodes;
 use super::flight::{Flight, Landed};
-use super::resident::{Isolation, Resident, Residents};
+use super::resident::{CallPipe, Isolation, Resident, Residents};
 use super::standby::{Children, Origin, SpawnError};
 use crate::fds::Claimed;
 use crate::output::CallOutput;
@@ -192,6 +193,49 @@ impl Runner {
         assignment: &Assignment,
         logs_so_far: Option<LogBuffer>,
     ) -> Result<(Resident, bool), SpawnError> {
+        self.resident_with(py, nodes, assignment, logs_so_far, None)
+    }
+
+    /// `--isolation reset` for a link's call, whose owner reads its lines:
+    /// node `assignment.key`'s resident, handed the call with a pipe of the
+    /// call's own, and the owner's end of that pipe.
+    pub(super) fn resident_for_link(
+        &mut self,
+        py: Python<'_>,
+        nodes: &Nodes,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+    ) -> Result<(Resident, bool, OwnedFd), SpawnError> {
+        let mut owners_end = None;
+        let (resident, forked) =
+            self.resident_with(py, nodes, assignment, logs_so_far, Some(&mut owners_end))?;
+        match owners_end {
+            Some(read) => Ok((resident, forked, read)),
+            None => {
+                self.children.land_later(resident.into_flight());
+                Err(SpawnError::Io(std::io::Error::other(
+                    "could not make the call's pipe",
+                )))
+            }
+        }
+    }
+
+    /// With `link_pipe`, the call gets a pipe of its own, made once the
+    /// resident is forked (no fork holds it), and its read end goes there.
+    fn resident_with(
+        &mut self,
+        py: Python<'_>,
+        nodes: &Nodes,
+        assignment: &Assignment,
+        logs_so_far: Option<LogBuffer>,
+        mut link_pipe: Option<&mut Option<OwnedFd>>,
+    ) -> Result<(Resident, bool), SpawnError> {
+        let mut call_pipe = || -> Option<CallPipe> {
+            let slot = link_pipe.as_deref_mut()?;
+            let pipe = CallPipe::new().ok()?;
+            *slot = Some(pipe.read.try_clone().ok()?);
+            Some(pipe)
+        };
         let children = &mut self.children;
         let idle = self
             .residents
@@ -202,7 +246,7 @@ impl Runner {
             if let Some(logs) = logs_so_far {
                 self.children.recycle(logs);
             }
-            resident.hand(assignment);
+            resident.hand(assignment, call_pipe());
             return Ok((resident, false));
         }
         if !self.residents.reset() {
@@ -223,7 +267,7 @@ impl Runner {
             tracing::info!("a resident could not take its snapshot ({why}); it serves one call");
             crate::metrics::reset_retired();
         }
-        resident.hand(assignment);
+        resident.hand(assignment, call_pipe());
         Ok((resident, true))
     }
 
@@ -349,7 +393,11 @@ impl Runner {
 
 /// Why a call's process did not start, as a stop: forking became unsafe
 /// (recover first), or it failed, which the call's reply says.
-fn not_started(assignment: &Assignment, error: SpawnError, out: &mut dyn CallOutput) -> Stop {
+pub(super) fn not_started(
+    assignment: &Assignment,
+    error: SpawnError,
+    out: &mut dyn CallOutput,
+) -> Stop {
     match error {
         SpawnError::Unsafe | SpawnError::NotCompiled => Stop::Recover,
         SpawnError::Io(error) => {

@@ -14,7 +14,7 @@ use nix::poll::PollFlags;
 use nix::unistd::Pid;
 use pyo3::prelude::*;
 
-use super::{MUST_RESTART, Server};
+use super::{MUST_RESTART, RunChild, Server};
 use crate::poll_set::{Key, PollSet};
 use crate::zygote::Zygote;
 
@@ -64,9 +64,19 @@ impl Server {
             {
                 return 0;
             }
-            for index in ready.exited.into_iter().rev() {
-                let run = self.runs.swap_remove(index);
-                self.land(zygote, run);
+            // Highest first, so that each swap_remove leaves the lower
+            // indices in place.
+            let mut news: Vec<(usize, bool)> = (ready.exited.into_iter().map(|i| (i, true)))
+                .chain(ready.worded.into_iter().map(|i| (i, false)))
+                .collect();
+            news.sort_unstable_by_key(|&(index, _)| std::cmp::Reverse(index));
+            for (index, exited) in news {
+                if exited {
+                    let run = self.runs.swap_remove(index);
+                    self.land(zygote, run);
+                } else {
+                    self.heard(zygote, index);
+                }
             }
             for pid in ready.writable {
                 self.flush_to(pid);
@@ -122,8 +132,19 @@ impl Server {
         let lanes: Vec<Key> = (self.lanes.iter())
             .map(|(pid, exit)| set.exit(*pid, exit))
             .collect();
-        let runs: Vec<Key> = (self.runs.iter())
-            .map(|run| run.flight.watch(&mut set).exit)
+        // Each run: its child's exit, and a resident's word after its call.
+        let runs: Vec<(Key, Option<Key>)> = (self.runs.iter())
+            .map(|run| {
+                let exit = run.flight().watch_exit(&mut set);
+                let word = match &run.child {
+                    RunChild::Resident {
+                        resident,
+                        silent: false,
+                    } => Some(set.fd(resident.control(), PollFlags::POLLIN)),
+                    _ => None,
+                };
+                (exit, word)
+            })
             .collect();
         set.wait(linger)?;
         let accept = taking_calls && listener.is_some_and(|listener| set.ready(listener));
@@ -154,14 +175,20 @@ impl Server {
             .filter(|(_, key)| set.ready(*key))
             .map(|((pid, _), _)| *pid)
             .collect();
-        let exited = (runs.into_iter().enumerate())
-            .filter(|(_, key)| set.ready(*key))
-            .map(|(index, _)| index)
-            .collect();
+        let mut exited = Vec::new();
+        let mut worded = Vec::new();
+        for (index, (exit, word)) in runs.into_iter().enumerate() {
+            if set.ready(exit) {
+                exited.push(index);
+            } else if word.is_some_and(|word| set.ready(word)) {
+                worded.push(index);
+            }
+        }
         Ok(Ready {
             accept,
             links,
             exited,
+            worded,
             relayed,
             writable,
             ended,
@@ -189,6 +216,8 @@ struct Ready {
     links: Vec<u64>,
     /// Indices of runs whose child has exited, ascending.
     exited: Vec<usize>,
+    /// Indices of runs whose resident has something to say, ascending.
+    worded: Vec<usize>,
     /// Node zygotes with frames to read (or a closed socket).
     relayed: Vec<Pid>,
     /// Node zygotes whose socket takes more of their outbox.

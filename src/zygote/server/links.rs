@@ -14,13 +14,13 @@ use nix::unistd::Pid;
 use pyo3::prelude::*;
 
 use super::link_output::{Discard, LinkOutput, send};
-use super::{Contract, Link, Run, Server};
+use super::{Contract, Link, Run, RunChild, Server};
 use crate::end::End;
 use crate::fds::Claimed;
 use crate::link::{self, Frame, Received, Receiver};
 use crate::output::CallOutput;
 use crate::protocol;
-use crate::zygote::Zygote;
+use crate::zygote::{Detached, Zygote};
 
 impl Server {
     /// Takes a new link: says `Ready` on it. False if it is gone already.
@@ -150,17 +150,28 @@ impl Server {
         };
         let mut out = LinkOutput { socket, ticket };
         match zygote.serve_detached(py, &parsed, &mut out) {
-            Ok(Some(mut flight)) => {
+            Ok(Some(Detached::Child(mut flight))) => {
                 if let Some(pipe) = flight.take_pipe() {
                     send(socket, Frame::Pipe { ticket, pipe });
                 }
                 self.runs.push(Run {
                     link: id,
                     ticket,
-                    flight,
+                    child: RunChild::Fresh(flight),
                 });
                 // Now that the link's owner reads the call, fork the next standby.
                 zygote.replenish(py);
+            }
+            Ok(Some(Detached::Resident { resident, pipe })) => {
+                send(socket, Frame::Pipe { ticket, pipe });
+                self.runs.push(Run {
+                    link: id,
+                    ticket,
+                    child: RunChild::Resident {
+                        resident,
+                        silent: false,
+                    },
+                });
             }
             Ok(None) => send(socket, Frame::Done { ticket }),
             Err(must) => {
@@ -197,8 +208,8 @@ impl Server {
             return;
         };
         let run = self.runs.swap_remove(index);
-        crate::process::kill_group(run.flight.pid, nix::sys::signal::Signal::SIGKILL);
-        if let Ok(landed) = run.flight.land(&mut Discard) {
+        crate::process::kill_group(run.flight().pid, nix::sys::signal::Signal::SIGKILL);
+        if let Ok(landed) = run.into_flight().land(&mut Discard) {
             zygote.recycle(landed.logs);
         }
     }
@@ -213,13 +224,14 @@ impl Server {
     /// A run's child has exited: its cell killed, reaped, reported.
     pub(super) fn land(&mut self, zygote: &mut Zygote, run: Run) {
         let socket = self.socket_of(run.link);
-        match run.flight.land(&mut Discard) {
+        let ticket = run.ticket;
+        match run.into_flight().land(&mut Discard) {
             Ok(landed) => {
                 if let Some(socket) = socket {
                     send(
                         socket,
                         Frame::Ended {
-                            ticket: run.ticket,
+                            ticket,
                             end: landed.reaped.end,
                             logs: landed.logs.text_lossy(),
                         },
@@ -231,9 +243,31 @@ impl Server {
                 // The link's owner still hears the call is over.
                 tracing::error!("could not reap a call's process: {error}");
                 if let Some(socket) = socket {
-                    send(socket, Frame::Done { ticket: run.ticket });
+                    send(socket, Frame::Done { ticket });
                 }
             }
+        }
+    }
+
+    /// A resident's control socket is readable after a link's call: its
+    /// word, that the call is over and it is put back (or why not, read
+    /// when the node's next call takes it), or a hang-up as it ends.
+    pub(super) fn heard(&mut self, zygote: &mut Zygote, index: usize) {
+        let run = &mut self.runs[index];
+        let RunChild::Resident { resident, silent } = &mut run.child else {
+            return;
+        };
+        if !has_word(resident.control()) {
+            // It is ending: its exit lands it and says how.
+            *silent = true;
+            return;
+        }
+        let run = self.runs.swap_remove(index);
+        if let Some(socket) = self.socket_of(run.link) {
+            send(socket, Frame::Done { ticket: run.ticket });
+        }
+        if let RunChild::Resident { resident, .. } = run.child {
+            zygote.keep_resident(resident);
         }
     }
 
@@ -255,10 +289,23 @@ impl Server {
             .partition(|r| r.link == id);
         self.runs = others;
         for run in theirs {
-            crate::process::kill_group(run.flight.pid, nix::sys::signal::Signal::SIGKILL);
-            if let Ok(landed) = run.flight.land(&mut Discard) {
+            crate::process::kill_group(run.flight().pid, nix::sys::signal::Signal::SIGKILL);
+            if let Ok(landed) = run.into_flight().land(&mut Discard) {
                 zygote.recycle(landed.logs);
             }
         }
     }
+}
+
+/// Whether `control` holds bytes to read (a word), not only a hang-up.
+fn has_word(control: BorrowedFd<'_>) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(
+        nix::sys::socket::recv(
+            control.as_raw_fd(),
+            &mut byte,
+            nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+        ),
+        Ok(n) if n > 0
+    )
 }

@@ -42,6 +42,7 @@ use super::app::{self, NodeZygote};
 use super::flight::Flight;
 use super::node::NodeKey;
 use super::placement::NodeZygotes;
+use super::resident::Resident;
 use super::{Zygote, ZygoteOptions};
 use crate::fds::Claimed;
 use crate::link::{self, Frame, Receiver};
@@ -185,11 +186,38 @@ struct Link {
     receiver: Receiver,
 }
 
-/// A run whose lines a link's owner reads; the zygote waits for its exit.
+/// A run whose lines a link's owner reads; the zygote waits for its exit,
+/// or a resident's word that the call is over and it is put back.
 struct Run {
     link: u64,
     ticket: u64,
-    flight: Flight,
+    child: RunChild,
+}
+
+enum RunChild {
+    Fresh(Flight),
+    Resident {
+        resident: Resident,
+        /// Its control socket hung up without a word: it is ending, and
+        /// its exit says how.
+        silent: bool,
+    },
+}
+
+impl Run {
+    fn flight(&self) -> &Flight {
+        match &self.child {
+            RunChild::Fresh(flight) => flight,
+            RunChild::Resident { resident, .. } => resident.flight(),
+        }
+    }
+
+    fn into_flight(self) -> Flight {
+        match self.child {
+            RunChild::Fresh(flight) => flight,
+            RunChild::Resident { resident, .. } => resident.into_flight(),
+        }
+    }
 }
 
 struct Server {
