@@ -113,6 +113,42 @@ fn no_call_finds_what_earlier_calls_of_its_child_were_sent_or_returned() {
     }
 }
 
+/// Past the restores that also drop the pages no call changed (every 32nd):
+/// what each of 40 calls held is gone, before and after them.
+#[test]
+fn a_long_run_of_calls_in_one_child_leaves_none_of_them_in_its_memory() {
+    let source = victim_or_scanner();
+    let mut worker = reset_worker();
+    let mut pids = Vec::new();
+    let secrets: Vec<String> = (0..40)
+        .map(|i| format!("long-run-{i}-{}", std::process::id()))
+        .collect();
+    for (id, sent) in (0..).zip(&secrets) {
+        let (pid, _) = served(
+            &worker
+                .call(&run(id, "both", &source, json!({"sent": sent})))
+                .reply,
+        );
+        pids.push(pid);
+    }
+    for (id, secret) in (100..).zip([&secrets[0], &secrets[31], &secrets[32], &secrets[39]]) {
+        let reply = worker
+            .call(&run(id, "both", &source, json!({"masked": masked(secret)})))
+            .reply;
+        let (pid, hits) = served(&reply);
+        pids.push(pid);
+        assert_eq!(
+            hits,
+            json!([]),
+            "{secret:?} is in a later call's memory: {reply}"
+        );
+    }
+    assert!(
+        pids.iter().all(|&pid| pid == pids[0]),
+        "one child served them all: {pids:?}"
+    );
+}
+
 #[test]
 fn what_a_call_started_is_gone_before_the_next_and_the_child_serves_on() {
     let source = r#"import os, subprocess, sys, time

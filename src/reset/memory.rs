@@ -31,6 +31,9 @@ const MAX_WRITTEN: usize = 4096;
 const MAPS_BYTES: usize = 16 << 20;
 
 const PAGE: usize = 4096;
+/// How often a restore drops the private pages no call changed since the
+/// last such restore ([`put_back_pages`]).
+const TRIM_EVERY: u64 = 32;
 
 /// A private writable mapping, as the snapshot holds it: its bytes at
 /// `offset` in the memfd.
@@ -55,6 +58,9 @@ struct Keep {
     view: usize,
     size: usize,
     brk: usize,
+    /// Restores done: every [`TRIM_EVERY`]th also drops the pages no
+    /// call has changed since.
+    restores: u64,
     regions: usize,
     region: [Region; MAX_REGIONS],
     /// The mappings right after the snapshot, ascending.
@@ -334,6 +340,8 @@ impl Snapshot {
             restored.remapped += 1;
         }
         // The pages written: copied back.
+        k.restores += 1;
+        let trim = k.restores.is_multiple_of(TRIM_EVERY);
         for layout_index in 0..k.layout {
             let layout = k.laid_out[layout_index];
             if layout.inode != k.memfd_inode || layout.is_special() {
@@ -347,7 +355,7 @@ impl Snapshot {
                     let source = k.view + layout.offset + (start - layout.start);
                     // SAFETY: both ranges are mapped: the region's pages and
                     // the view of the snapshot's bytes for them.
-                    unsafe { put_back_pages(source, start, end, &mut restored) };
+                    unsafe { put_back_pages(source, start, end, trim, &mut restored) };
                 }
                 from = next;
             }
@@ -367,17 +375,24 @@ impl Snapshot {
 /// Puts back the private pages from `start` to `end`, whose snapshot bytes
 /// are at `source`. A page that differs (written by the call) is copied
 /// back and stays this process's own, so the next call that writes it
-/// takes no fault. A page that does not (written by an earlier call only)
-/// is dropped, and is the snapshot's again: otherwise every page any call
-/// ever wrote would be scanned and copied after every later call, and a
-/// long sweep would slow down call by call.
+/// takes no fault; one that does not is left alone. With `trim`, the pages
+/// that do not are dropped, and are the snapshot's again: otherwise every
+/// page any call ever wrote would be scanned and compared after every
+/// later call. (Dropping them each time would cost a system call a page
+/// and a fault the next time one is written: more than the reset saves.)
 ///
 /// # Safety
 /// Both ranges must be mapped, readable, and the first writable.
-unsafe fn put_back_pages(source: usize, start: usize, end: usize, restored: &mut Restored) {
+unsafe fn put_back_pages(
+    source: usize,
+    start: usize,
+    end: usize,
+    trim: bool,
+    restored: &mut Restored,
+) {
     let mut unchanged_from = None;
     let drop_unchanged = |from: Option<usize>, to: usize| {
-        if let Some(from) = from {
+        if let (true, Some(from)) = (trim, from) {
             // SAFETY: private pages of a snapshot region, identical to
             // the snapshot's: dropped, they read as the memfd's again.
             unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_DONTNEED) };
