@@ -160,6 +160,8 @@ pub enum Way {
     /// `sweep --isolation reset`: a resident child per call in flight, put
     /// back after each point.
     Reset,
+    /// The same, `--warmup first`.
+    ResetWarmup,
     /// `joblib.Parallel(n_jobs=2)`, its default (loky) backend.
     Joblib,
     /// `ProcessPoolExecutor(2)`, fork start method.
@@ -170,12 +172,13 @@ pub enum Way {
 
 impl Way {
     /// Every row, in the table's order.
-    pub const ALL: [Way; 8] = [
+    pub const ALL: [Way; 9] = [
         Way::Call,
         Way::CallWarmup,
         Way::CallNoLearn,
         Way::Node,
         Way::Reset,
+        Way::ResetWarmup,
         Way::Joblib,
         Way::Fork,
         Way::Loop,
@@ -189,6 +192,7 @@ impl Way {
             Way::CallNoLearn => "ours, `--isolation call --learn-imports off`",
             Way::Node => "ours, `--isolation node`",
             Way::Reset => "ours, `--isolation reset`",
+            Way::ResetWarmup => "ours, `--isolation reset --warmup first`",
             Way::Joblib => "joblib.Parallel(n_jobs=2)",
             Way::Fork => "ProcessPoolExecutor(2), fork",
             Way::Loop => "for-loop",
@@ -203,6 +207,7 @@ impl Way {
             Way::CallNoLearn => "ours, call, --learn-imports off",
             Way::Node => "ours, node",
             Way::Reset => "ours, reset",
+            Way::ResetWarmup => "ours, reset, --warmup first",
             Way::Joblib => "joblib",
             Way::Fork => "ProcessPoolExecutor, fork",
             Way::Loop => "for-loop",

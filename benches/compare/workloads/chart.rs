@@ -30,12 +30,13 @@ const TOP: i32 = 110;
 const BOTTOM: i32 = 70;
 
 /// The rows with a bar: every row but joblib, which is the 1× line.
-const BARS: [Way; 7] = [
+const BARS: [Way; 8] = [
     Way::Call,
     Way::CallWarmup,
     Way::CallNoLearn,
     Way::Node,
     Way::Reset,
+    Way::ResetWarmup,
     Way::Fork,
     Way::Loop,
 ];
@@ -47,6 +48,7 @@ fn color(way: Way) -> RGBColor {
         Way::CallNoLearn => RGBColor(148, 103, 189),
         Way::Node => RGBColor(44, 160, 44),
         Way::Reset => RGBColor(188, 189, 34),
+        Way::ResetWarmup => RGBColor(140, 86, 75),
         Way::Joblib => RGBColor(30, 30, 30),
         Way::Fork => RGBColor(255, 127, 14),
         Way::Loop => RGBColor(214, 39, 40),
@@ -62,7 +64,7 @@ fn bar(workload: &WorkloadResult, way: Way) -> Option<f64> {
 fn target(workload: &WorkloadResult, way: Way) -> Option<f64> {
     match way {
         Way::Node => Some(NODE_TARGET),
-        Way::Reset => Some(RESET_TARGET),
+        Way::Reset | Way::ResetWarmup => Some(RESET_TARGET),
         Way::Call => workload.point_ms.map(|ms| {
             if ms >= LONG_POINT_MS {
                 CALL_LONG_TARGET

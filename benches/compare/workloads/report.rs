@@ -178,9 +178,10 @@ pub fn targets(results: &Results) -> String {
         "| workload | a point, in process | `--isolation call`, a call's p50 (beyond the point) | \
          `--isolation node` ≤ {NODE_TARGET}× joblib | \
          `--isolation reset` ≤ {RESET_TARGET}× joblib | \
+         `--isolation reset --warmup first` ≤ {RESET_TARGET}× joblib | \
          `--isolation call` ≤ {CALL_LONG_TARGET}× joblib, points of {LONG_POINT_MS} ms or more | \
          `--isolation call` ≤ {CALL_SHORT_TARGET}× joblib, points under {LONG_POINT_MS} ms |\n\
-         | --- | ---: | ---: | --- | --- | --- | --- |\n"
+         | --- | ---: | ---: | --- | --- | --- | --- | --- |\n"
     );
     for workload in &results.workloads {
         let point = workload.point_ms.map(milliseconds).unwrap_or_default();
@@ -198,6 +199,7 @@ pub fn targets(results: &Results) -> String {
             .unwrap_or_default();
         let node = verdict(workload, Way::Node, NODE_TARGET);
         let reset = verdict(workload, Way::Reset, RESET_TARGET);
+        let reset_warmed = verdict(workload, Way::ResetWarmup, RESET_TARGET);
         let (long, short) = match workload.point_ms {
             Some(ms) if ms >= LONG_POINT_MS => (
                 verdict(workload, Way::Call, CALL_LONG_TARGET),
@@ -214,10 +216,11 @@ pub fn targets(results: &Results) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {point} | {call} | {} | {} | {} | {} |",
+            "| {} | {point} | {call} | {} | {} | {} | {} | {} |",
             workload.name,
             cell(&node),
             cell(&reset),
+            cell(&reset_warmed),
             cell(&long),
             cell(&short)
         );
@@ -257,6 +260,7 @@ fn how(results: &Results) -> String {
             Way::CallNoLearn => "… the same, `--isolation call --learn-imports off`".into(),
             Way::Node => "… the same, `--isolation node`".into(),
             Way::Reset => "… the same, `--isolation reset`".into(),
+            Way::ResetWarmup => "… the same, `--isolation reset --warmup first`".into(),
             _ => format!(
                 "python benches/workloads/baseline.py {} NODE.py POINTS.jsonl OUT.jsonl {JOBS}",
                 way.method().unwrap_or_default()
@@ -345,7 +349,7 @@ mod tests {
             lines[2]
         );
         assert!(
-            lines[3].contains("**0.50×**: met | not run | — | **2.50×**: met"),
+            lines[3].contains("**0.50×**: met | not run | not run | — | **2.50×**: met"),
             "{}",
             lines[3]
         );

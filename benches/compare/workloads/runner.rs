@@ -121,6 +121,7 @@ impl Runner {
         match way {
             Way::Node => command.args(["--isolation", "node"]),
             Way::Reset => command.args(["--isolation", "reset"]),
+            Way::ResetWarmup => command.args(["--isolation", "reset", "--warmup", "first"]),
             Way::CallWarmup => command.args(["--isolation", "call", "--warmup", "first"]),
             Way::CallNoLearn => command.args(["--isolation", "call", "--learn-imports", "off"]),
             _ => command.args(["--isolation", "call"]),
