@@ -202,6 +202,12 @@ impl LineBuffer {
         crate::scrub::Held::new(&self.buffer)
     }
 
+    /// Zeroes and drops the lines handed over; what is left of a line
+    /// moves to the front.
+    pub fn forget_handed_over(&mut self) {
+        self.compact();
+    }
+
     fn compact(&mut self) {
         // Lines handed over are zeroed as they go: a call's output must not
         // stay in memory later children are forked with.

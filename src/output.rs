@@ -45,6 +45,11 @@ impl CallLines {
         self.replied
     }
 
+    /// Whether bytes were read that are not a whole line yet.
+    pub fn holds_part(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Readies it for a resident child's next call, on the same pipe.
     pub fn rearm(&mut self) {
         self.replied = false;
@@ -69,6 +74,7 @@ impl CallLines {
     /// `--max-reply-mb` before the reply ends the call there: it comes back,
     /// for the caller to end the child and answer with its reply.
     pub fn hand_over(&mut self, out: &mut dyn CallOutput) -> Option<TooLarge> {
+        let mut too_large = None;
         while let Some(piece) = self.pending.next_piece() {
             if self.replied {
                 // Nothing after the reply belongs to the call.
@@ -80,10 +86,16 @@ impl CallLines {
                     self.replied = true;
                     out.reply(line);
                 }
-                Piece::TooLarge(too_large) => return Some(too_large),
+                Piece::TooLarge(found) => {
+                    too_large = Some(found);
+                    break;
+                }
             }
         }
-        None
+        // Zeroed now, not at the next read: a resident's pipe may not be
+        // read again for a long time, and children are forked meanwhile.
+        self.pending.forget_handed_over();
+        too_large
     }
 
     /// Reads and hands over what is in the pipe of a child that has exited,

@@ -11,7 +11,9 @@
 //! are is read off the block (glibc raises its mmap threshold as blocks
 //! are freed, so a block of megabytes may well be in the heap).
 //! Buffers the runtime reuses rather than frees are zeroed where they are
-//! reused (`LogBuffer::clear`, the request reader).
+//! reused (`LogBuffer::clear`, the request reader), or as soon as what they
+//! hold is passed on (a call's lines: a resident's pipe may not be read
+//! again for a long while).
 //!
 //! Freeing is not enough while a call is being served: its request (the
 //! line, the kwargs, the env) is alive in the zygote's memory when the next

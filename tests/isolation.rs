@@ -1,5 +1,7 @@
 //! Each call starts from the zygote's state, in a session of its own, and
 //! ends with everything it started: nothing outlives a call or its zygote.
+//! Each holds under `--isolation call` and `reset` (where a node's calls
+//! share its resident's session, and end what they started all the same).
 
 mod common;
 
@@ -8,9 +10,17 @@ use std::time::Duration;
 use common::{Worker, children_of, compile, run, wait_gone};
 use serde_json::json;
 
+const ISOLATIONS: [&str; 2] = ["call", "reset"];
+
 #[test]
 fn module_state_set_by_one_call_is_not_seen_by_the_next() {
-    let mut worker = Worker::zygote(&[]);
+    for isolation in ISOLATIONS {
+        module_state_is_not_seen_by_the_next_call(isolation);
+    }
+}
+
+fn module_state_is_not_seen_by_the_next_call(isolation: &str) {
+    let mut worker = Worker::zygote(&["--isolation", isolation]);
     let source = "seen = []\ndef process(x):\n    seen.append(x)\n    return list(seen)\n";
     worker.call(&compile(1, "state", source));
     for x in 0..4 {
@@ -20,7 +30,7 @@ fn module_state_set_by_one_call_is_not_seen_by_the_next() {
         assert_eq!(
             reply["result"],
             json!([x]),
-            "each call sees the zygote's state only"
+            "{isolation}: each call sees the zygote's state only"
         );
     }
 }
@@ -40,11 +50,28 @@ fn each_call_runs_in_its_own_session() {
     }
     pids.dedup();
     assert_eq!(pids.len(), 3, "a new process for every call");
+    // Under reset a node's resident leads the session its calls share.
+    let mut worker = Worker::zygote(&["--isolation", "reset"]);
+    let mut pids = Vec::new();
+    for id in 0..3 {
+        let result = worker.call(&run(id, "session", source, json!({}))).reply["result"].clone();
+        let [pid, sid, pgrp, ppid] = [0, 1, 2, 3].map(|i| result[i].as_i64().unwrap());
+        assert_eq!([sid, pgrp, ppid], [pid, pid, worker.pid() as i64]);
+        pids.push(pid);
+    }
+    pids.dedup();
+    assert_eq!(pids.len(), 1, "one resident served them: {pids:?}");
 }
 
 #[test]
 fn killing_the_zygote_kills_a_running_call_and_what_it_started() {
-    let mut worker = Worker::zygote(&[]);
+    for isolation in ISOLATIONS {
+        killing_the_zygote_kills_what_runs(isolation);
+    }
+}
+
+fn killing_the_zygote_kills_what_runs(isolation: &str) {
+    let mut worker = Worker::zygote(&["--isolation", isolation]);
     let source = "import fluksio, os, subprocess, time\ndef process():\n    sleeper = subprocess.Popen(['sleep', '3600'])\n    fluksio.emit(pids=[os.getpid(), sleeper.pid])\n    time.sleep(3600)\n";
     worker.send(&run(1, "hang", source, json!({})));
     let event = worker.next_line();
@@ -53,27 +80,36 @@ fn killing_the_zygote_kills_a_running_call_and_what_it_started() {
     for pid in pids {
         assert!(
             wait_gone(pid, Duration::from_secs(10)),
-            "process {pid} outlived its zygote"
+            "{isolation}: process {pid} outlived its zygote"
         );
     }
 }
 
 #[test]
 fn a_call_that_replied_takes_what_it_started_with_it() {
-    let mut worker = Worker::zygote(&[]);
-    let source =
-        "import subprocess\ndef process():\n    return subprocess.Popen(['sleep', '3600']).pid\n";
-    let reply = worker.call(&run(1, "leak", source, json!({}))).reply;
-    let leaked = reply["result"].as_i64().expect("a pid") as i32;
-    assert!(
-        wait_gone(leaked, Duration::from_secs(10)),
-        "the call's subprocess outlived it"
-    );
+    for isolation in ISOLATIONS {
+        let mut worker = Worker::zygote(&["--isolation", isolation]);
+        let source = "import subprocess\ndef process():\n    return subprocess.Popen(['sleep', '3600']).pid\n";
+        let reply = worker.call(&run(1, "leak", source, json!({}))).reply;
+        let leaked = reply["result"].as_i64().expect("a pid") as i32;
+        assert!(
+            wait_gone(leaked, Duration::from_secs(10)),
+            "{isolation}: the call's subprocess outlived it"
+        );
+    }
 }
 
 #[test]
 fn a_thousand_calls_leave_no_zombie() {
-    let mut worker = Worker::zygote(&[]);
+    for isolation in ISOLATIONS {
+        a_thousand_calls_leave_no_zombie_under(isolation);
+    }
+}
+
+fn a_thousand_calls_leave_no_zombie_under(isolation: &str) {
+    // The two standby children, and under reset the node's resident.
+    let left = if isolation == "reset" { 3 } else { 2 };
+    let mut worker = Worker::zygote(&["--isolation", isolation]);
     let source = "def process(x):\n    return x\n";
     for x in 0..1000 {
         worker.send(&run(x, "many", source, json!({"x": x})));
@@ -85,7 +121,7 @@ fn a_thousand_calls_leave_no_zombie() {
     // ones the moment their teardown takes.
     let mut children = children_of(worker.pid());
     for _ in 0..100 {
-        if children.iter().all(|&(_, state)| state != 'Z') && children.len() <= 2 {
+        if children.iter().all(|&(_, state)| state != 'Z') && children.len() <= left {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -95,10 +131,13 @@ fn a_thousand_calls_leave_no_zombie() {
         .iter()
         .filter(|&&(_, state)| state == 'Z')
         .collect();
-    assert!(zombies.is_empty(), "zombies after 1000 calls: {zombies:?}");
     assert!(
-        children.len() <= 2,
-        "only the two standby children are left: {children:?}"
+        zombies.is_empty(),
+        "{isolation}: zombies after 1000 calls: {zombies:?}"
+    );
+    assert!(
+        children.len() <= left,
+        "{isolation}: only the standby children (and a resident) are left: {children:?}"
     );
     let (code, _) = worker.finish();
     assert_eq!(code, Some(0));
@@ -106,7 +145,13 @@ fn a_thousand_calls_leave_no_zombie() {
 
 #[test]
 fn stdin_closing_ends_the_worker_and_every_child() {
-    let mut worker = Worker::zygote(&[]);
+    for isolation in ISOLATIONS {
+        stdin_closing_ends_everything(isolation);
+    }
+}
+
+fn stdin_closing_ends_everything(isolation: &str) {
+    let mut worker = Worker::zygote(&["--isolation", isolation]);
     worker.call(&run(1, "x", "def process():\n    return 1\n", json!({})));
     let zygote = worker.pid();
     // The next standby is forked once the reply is out.
@@ -130,7 +175,7 @@ fn stdin_closing_ends_the_worker_and_every_child() {
     for pid in children {
         assert!(
             wait_gone(pid, Duration::from_secs(10)),
-            "child {pid} outlived the worker"
+            "{isolation}: child {pid} outlived the worker"
         );
     }
 }

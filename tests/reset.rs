@@ -413,6 +413,54 @@ def process(role, secret=None, id=None):
     }
 }
 
+/// A call that writes a reply of its own down its pipe, then returns: its
+/// real reply comes after the one it forged, where the runtime no longer
+/// reads it as this call's. It must not be read as the next call's either:
+/// a child with anything unread in its pipe at its wait is retired.
+#[test]
+fn what_a_call_wrote_past_its_reply_is_never_read_as_the_next_calls() {
+    let source = r#"import json, os, time
+def process(role, secret=None, id=None):
+    if role == "victim":
+        return [os.getpid(), secret[::-1]]
+    for fd in range(3, 64):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                continue
+        except OSError:
+            continue
+        reply = {"id": id, "call_id": "", "ok": True, "result": [os.getpid(), "forged"], "logs": ""}
+        os.write(fd, (json.dumps(reply) + "\n").encode())
+    time.sleep(0.3)
+    return [os.getpid(), "the liar's own reply"]
+"#;
+    let mut worker = reset_worker();
+    let (liar, said) = served(
+        &worker
+            .call(&run(1, "n", source, json!({"role": "liar", "id": 1})))
+            .reply,
+    );
+    assert_eq!(
+        said, "forged",
+        "its own first line answers it, as in call mode"
+    );
+    for id in 2..4 {
+        let secret = format!("secret-{id}");
+        let reply = worker
+            .call(&run(
+                id,
+                "n",
+                source,
+                json!({"role": "victim", "secret": secret}),
+            ))
+            .reply;
+        assert_eq!(reply["id"], id, "another call's reply: {reply}");
+        let (victim, result) = served(&reply);
+        assert_eq!(result, secret.chars().rev().collect::<String>(), "{reply}");
+        assert_ne!(victim, liar, "the liar's child was retired");
+    }
+}
+
 /// A pool slot of a shared zygote (`worker --shared-zygote`, as the pool
 /// starts it) under `--isolation reset`; slots of one scope share a zygote.
 fn reset_slot(scope: &str) -> Worker {

@@ -259,6 +259,7 @@ impl Snapshot {
         // SAFETY: brk(0) reads the break.
         k.brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as usize;
         read_maps(k, true)?;
+        protect_keep(keep, libc::PROT_READ);
         Ok(())
     }
 
@@ -276,6 +277,7 @@ impl Snapshot {
     /// error says which.
     pub fn restore(&self) -> Result<Restored, MemoryError> {
         let _blocked = BlockedSignals::new();
+        let _writable = KeepWritable::new(self.keep);
         // SAFETY: Keep lives as long as the process, used by this thread.
         let k = unsafe { &mut *self.keep };
         let mut restored = Restored::default();
@@ -637,6 +639,31 @@ fn open_scan() -> Result<Scan, MemoryError> {
     } else {
         Scan::Pagemap(fd)
     })
+}
+
+/// Keep is read-only while a call runs: its tables say what a restore puts
+/// back, and `/proc/self/mem` can write a private read-only page but not a
+/// shared one, so no call can rewrite them without native code.
+fn protect_keep(keep: *mut Keep, prot: libc::c_int) {
+    let size = std::mem::size_of::<Keep>().next_multiple_of(PAGE);
+    // SAFETY: Keep's own mapping, whole.
+    unsafe { libc::mprotect(keep.cast(), size, prot) };
+}
+
+/// Keep writable for a restore, and read-only again after it.
+struct KeepWritable(*mut Keep);
+
+impl KeepWritable {
+    fn new(keep: *mut Keep) -> KeepWritable {
+        protect_keep(keep, libc::PROT_READ | libc::PROT_WRITE);
+        KeepWritable(keep)
+    }
+}
+
+impl Drop for KeepWritable {
+    fn drop(&mut self) {
+        protect_keep(self.0, libc::PROT_READ);
+    }
 }
 
 /// The mapping Keep lives in: shared and anonymous, so no snapshot holds

@@ -95,6 +95,18 @@ impl Flight {
         self.started = Instant::now();
     }
 
+    /// Whether anything its child wrote waits unread: in its pipe, or read
+    /// and not a whole line yet.
+    pub fn has_unread(&self) -> bool {
+        let Some(pipe) = &self.pipe else {
+            return self.lines.holds_part();
+        };
+        let mut unread: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int, here a local, for an open pipe.
+        let done = unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut unread) };
+        done != 0 || unread > 0 || self.lines.holds_part()
+    }
+
     /// Gives the pipe away: its lines are read elsewhere (by the agent).
     pub fn take_pipe(&mut self) -> Option<OwnedFd> {
         let pipe = self.pipe.take()?;

@@ -163,7 +163,15 @@ impl Resident {
             return Err("it has no snapshot".into());
         };
         self.read_word()?;
-        self.blocked_waiting(Some(wait_point)).map(drop)
+        self.blocked_waiting(Some(wait_point))?;
+        // At its wait nothing more is written for its last call: what
+        // waits in its own pipe was written past that call's reply (or
+        // down the pipe while a link's call had its own), and would be
+        // read as the next call's lines.
+        if self.flight.has_unread() {
+            return Err("its last call wrote to its pipe past its reply".into());
+        }
+        Ok(())
     }
 
     /// Reads its word from the control socket: `Ok` for "ready", the
