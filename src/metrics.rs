@@ -17,7 +17,8 @@
 //!    memory and its children are read from `/proc` then.
 //!
 //! The exposition is prometheus-client's (a collector over the page), not
-//! written by hand here.
+//! written by hand here. Over the usual length: the page's layout and every
+//! family read from it are one table, kept in one place.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};

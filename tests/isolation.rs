@@ -50,7 +50,7 @@ fn each_call_runs_in_its_own_session() {
     }
     pids.dedup();
     assert_eq!(pids.len(), 3, "a new process for every call");
-    // Under reset a node's resident leads the session its calls share.
+    // Under reset a node's residents lead the sessions their calls share.
     let mut worker = Worker::zygote(&["--isolation", "reset"]);
     let mut pids = Vec::new();
     for id in 0..3 {
@@ -59,8 +59,11 @@ fn each_call_runs_in_its_own_session() {
         assert_eq!([sid, pgrp, ppid], [pid, pid, worker.pid() as i64]);
         pids.push(pid);
     }
+    pids.sort_unstable();
     pids.dedup();
-    assert_eq!(pids.len(), 1, "one resident served them: {pids:?}");
+    // The second call comes while the first's resident is put back: a
+    // second serves it, and from then on the two take turns.
+    assert!(pids.len() <= 2, "a node's residents served them: {pids:?}");
 }
 
 #[test]
@@ -107,8 +110,9 @@ fn a_thousand_calls_leave_no_zombie() {
 }
 
 fn a_thousand_calls_leave_no_zombie_under(isolation: &str) {
-    // The two standby children, and under reset the node's resident.
-    let left = if isolation == "reset" { 3 } else { 2 };
+    // The two standby children, and under reset the node's residents (one
+    // put back while the other serves).
+    let left = if isolation == "reset" { 4 } else { 2 };
     let mut worker = Worker::zygote(&["--isolation", isolation]);
     let source = "def process(x):\n    return x\n";
     for x in 0..1000 {

@@ -25,6 +25,19 @@ fn served(reply: &Value) -> (i64, Value) {
     )
 }
 
+/// The calls were served by a node's residents, each put back and reused:
+/// two at most (the second serves while the first is put back), a call
+/// after the other.
+fn served_by_residents(pids: &[i64]) {
+    let mut children = pids.to_vec();
+    children.sort_unstable();
+    children.dedup();
+    assert!(
+        children.len() <= 2 && pids.len() > children.len(),
+        "a node's residents served them, in turn: {pids:?}"
+    );
+}
+
 const STATE: &str = r#"import os, sys, functools
 seen = []
 @functools.lru_cache(maxsize=None)
@@ -58,10 +71,7 @@ fn each_call_finds_the_node_as_the_first_did_in_the_same_child() {
             pid
         })
         .collect();
-    assert!(
-        pids.iter().all(|&pid| pid == pids[0]),
-        "one child served them all: {pids:?}"
-    );
+    served_by_residents(&pids);
     // Under --isolation node the same child keeps all of it.
     let mut node = Worker::zygote(&["--isolation", "node"]);
     node.call(&run(0, "state", STATE, json!({"x": 0})));
@@ -94,22 +104,34 @@ fn no_call_finds_what_earlier_calls_of_its_child_were_sent_or_returned() {
             assert_eq!(result, returned.as_str());
             pids.push(pid);
         }
-        for (id, secret) in (10..).zip([&sent, &returned]) {
-            let reply = worker
-                .call(&run(id, "both", &source, json!({"masked": masked(secret)})))
-                .reply;
-            let (pid, hits) = served(&reply);
-            pids.push(pid);
-            assert_eq!(
-                hits,
-                json!([]),
-                "an earlier call's {secret:?} is in a later call's memory: {reply}"
+        let served_secrets = pids.clone();
+        for (id, secret) in (10..).step_by(10).zip([&sent, &returned]) {
+            // Scanned again until a child that served the secrets scans:
+            // the next call may go to a second resident while the first is
+            // put back.
+            let mut scanned_by = Vec::new();
+            for id in id..id + 6 {
+                let reply = worker
+                    .call(&run(id, "both", &source, json!({"masked": masked(secret)})))
+                    .reply;
+                let (pid, hits) = served(&reply);
+                assert_eq!(
+                    hits,
+                    json!([]),
+                    "an earlier call's {secret:?} is in a later call's memory: {reply}"
+                );
+                scanned_by.push(pid);
+                if served_secrets.contains(&pid) {
+                    break;
+                }
+            }
+            assert!(
+                scanned_by.iter().any(|pid| served_secrets.contains(pid)),
+                "a child that served the secrets scanned: {served_secrets:?}, {scanned_by:?}"
             );
+            pids.extend(scanned_by);
         }
-        assert!(
-            pids.iter().all(|&pid| pid == pids[0]),
-            "the scans ran in the child that served the secrets: {pids:?}"
-        );
+        served_by_residents(&pids);
     }
 }
 
@@ -143,10 +165,7 @@ fn a_long_run_of_calls_in_one_child_leaves_none_of_them_in_its_memory() {
             "{secret:?} is in a later call's memory: {reply}"
         );
     }
-    assert!(
-        pids.iter().all(|&pid| pid == pids[0]),
-        "one child served them all: {pids:?}"
-    );
+    served_by_residents(&pids);
 }
 
 #[test]
@@ -185,13 +204,23 @@ def process(check=None):
             "{pid} outlived its call"
         );
     }
-    let (second, alive) = served(
-        &worker
-            .call(&run(2, "daemon", source, json!({"check": started})))
-            .reply,
+    // The next calls may go to a second resident while the first is put
+    // back; the first serves again within a few.
+    let later: Vec<i64> = (2..6)
+        .map(|id| {
+            let (pid, alive) = served(
+                &worker
+                    .call(&run(id, "daemon", source, json!({"check": started})))
+                    .reply,
+            );
+            assert_eq!(alive, json!([]));
+            pid
+        })
+        .collect();
+    assert!(
+        later.contains(&first),
+        "ending them did not cost the child ({first}): {later:?}"
     );
-    assert_eq!(alive, json!([]));
-    assert_eq!(first, second, "ending them did not cost the child");
 }
 
 /// What one call may change that memory does not hold: each retires the
@@ -233,24 +262,22 @@ def process(change=None):
                 .reply,
         )
     };
-    let (mut serving, _) = call(&mut worker, Value::Null);
+    served_by_residents(
+        &(0..4)
+            .map(|_| call(&mut worker, Value::Null).0)
+            .collect::<Vec<_>>(),
+    );
     for change in [
         "fd", "thread", "signal", "cwd", "umask", "rlimit", "timer", "name", "mask",
     ] {
         let (pid, echoed) = call(&mut worker, json!(change));
-        assert_eq!(pid, serving, "{change}: served by the same child");
         assert_eq!(echoed, change);
-        let (after, _) = call(&mut worker, Value::Null);
-        assert_ne!(
-            after, serving,
-            "{change}: the child that ran it was retired"
+        let after: Vec<i64> = (0..4).map(|_| call(&mut worker, Value::Null).0).collect();
+        assert!(
+            !after.contains(&pid),
+            "{change}: the child that ran it ({pid}) was retired: {after:?}"
         );
-        let (again, _) = call(&mut worker, Value::Null);
-        assert_eq!(
-            again, after,
-            "{change}: its replacement is put back in turn"
-        );
-        serving = again;
+        served_by_residents(&after);
     }
 }
 
@@ -284,21 +311,20 @@ def process(x):
             pid
         })
         .collect();
-    assert!(
-        pids.iter().all(|&pid| pid == pids[0]),
-        "one child served them all: {pids:?}"
-    );
-    // Its memory went back down: what the calls mapped is unmapped.
+    served_by_residents(&pids);
+    // Their memory went back down: what the calls mapped is unmapped.
     let rss_kib = |pid: i64| -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
         line.split_whitespace().nth(1).unwrap().parse().unwrap()
     };
-    assert!(
-        rss_kib(pids[0]) < 64 * 1024,
-        "{} KiB resident after calls of 64 MiB each",
-        rss_kib(pids[0])
-    );
+    for &pid in &pids {
+        assert!(
+            rss_kib(pid) < 64 * 1024,
+            "{} KiB resident after calls of 64 MiB each",
+            rss_kib(pid)
+        );
+    }
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The command line's arguments: every subcommand's flags, their help and
 //! the parsers of their values, as clap reads them. What each command does
-//! with them is in `cli` itself.
+//! with them is in `cli` itself. Over the usual length: most of it is the
+//! help text of each flag.
 
 use std::path::PathBuf;
 

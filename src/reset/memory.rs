@@ -16,6 +16,9 @@
 //! shared mapping of their own ([`Keep`]), which the snapshot leaves out,
 //! and the restore allocates nothing. The stack is left out too (it is in
 //! use); the resident wipes what lies below its own frame.
+//!
+//! One file, over the usual length: every write this process makes to its
+//! own memory is here, with the rules it keeps, to be read together.
 
 use std::os::fd::RawFd;
 

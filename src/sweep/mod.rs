@@ -15,6 +15,10 @@
 //! grid name the node does not take); 130 Ctrl-C (143 SIGTERM): the calls
 //! in flight were ended, the results so far written; 141 the reader of
 //! its output went away (`| head`), quietly.
+//!
+//! One file, over the usual length: the command's path from its options to
+//! its exit code, whose steps all read `SweepOptions` and `Prepared`; a
+//! file per step would make a circle with them.
 
 pub mod calls;
 pub mod grid;

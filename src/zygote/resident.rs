@@ -11,6 +11,12 @@
 //! changes, or after `--max-calls-per-child` calls. It is contained like any
 //! call (its cell, its session): what one of its calls leaves running lives
 //! until the resident is retired.
+//!
+//! Under `--isolation reset` the resident is put back after each call
+//! (`crate::reset`), and the zygote hands it the next only once it sees it
+//! from outside at its wait. Over the usual length: the zygote's side and
+//! the child's loop speak one small protocol (the word, the wait, a link's
+//! pipe) and are read together.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -174,6 +180,14 @@ impl Resident {
         Ok(())
     }
 
+    /// Whether its word after its last call has come (or it hung up):
+    /// taking it then waits for no put-back.
+    fn said_its_word(&self) -> bool {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        let mut fds = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
+        matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
+    }
+
     /// Reads its word from the control socket: `Ok` for "ready", the
     /// reason it gives (or that it exited) otherwise.
     fn read_word(&self) -> Result<(), String> {
@@ -304,7 +318,21 @@ impl Residents {
             self.retire(key, &mut land);
             return None;
         }
-        while let Some(resident) = idle.pop() {
+        loop {
+            let resident = if self.reset {
+                // One already put back first. Where the only one is still
+                // being put back, the call gets a second (forked by the
+                // caller): the put-back runs beside the next call, not
+                // before it. So a node has at most one more than it has
+                // calls in flight.
+                match idle.iter().position(Resident::said_its_word) {
+                    Some(at) => idle.swap_remove(at),
+                    None if idle.len() == 1 => return None,
+                    None => idle.pop()?,
+                }
+            } else {
+                idle.pop()?
+            };
             if !resident.owner_has_read() {
                 // Its last call's owner has not read its reply (a slow or
                 // a dead one): it may yet act on that call's child.
@@ -331,7 +359,6 @@ impl Residents {
                 }
             }
         }
-        None
     }
 
     /// Puts back a resident that has replied to one more call; retired
