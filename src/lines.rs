@@ -156,7 +156,7 @@ impl LineBuffer {
     /// what was handed over is dropped first, and the next read's bytes go
     /// after what is left (append only, into the spare capacity).
     pub fn for_read(&mut self) -> &mut Vec<u8> {
-        self.compact();
+        self.forget_handed_over();
         // A pipe read brings at most what the pipe holds (64 KiB unless
         // raised); past a MiB of one line, room for a MiB at a time.
         let want = if self.buffer.len() >= READ_CHUNK {
@@ -205,10 +205,6 @@ impl LineBuffer {
     /// Zeroes and drops the lines handed over; what is left of a line
     /// moves to the front.
     pub fn forget_handed_over(&mut self) {
-        self.compact();
-    }
-
-    fn compact(&mut self) {
         // Lines handed over are zeroed as they go: a call's output must not
         // stay in memory later children are forked with.
         if self.start > 0 {
