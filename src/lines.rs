@@ -309,7 +309,7 @@ impl LineBuffer {
             Piece::TooLarge(too_large) => Err(too_large.bytes),
         };
         let end = self.start;
-        self.buffer[begin.min(end)..end].fill(0);
+        crate::scrub::wipe(&mut self.buffer[begin.min(end)..end]);
         Some(taken)
     }
 
@@ -318,7 +318,7 @@ impl LineBuffer {
     /// `Err` with its size if it is over the limit.
     pub fn take_rest(&mut self) -> Result<Vec<u8>, usize> {
         let rest = self.buffer[self.start..].to_vec();
-        self.buffer[self.start..].fill(0);
+        crate::scrub::wipe(&mut self.buffer[self.start..]);
         self.start = self.buffer.len();
         self.scanned = 0;
         match self.dropping.take() {

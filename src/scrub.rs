@@ -47,6 +47,26 @@ unsafe fn own_mapping(ptr: *mut u8) -> bool {
     }
 }
 
+/// Writes zeros over `length` bytes at `start` with `explicit_bzero`: an
+/// optimiser drops a plain memset before a free as a dead store (a release
+/// build did, and freed requests stayed in the heap), never this.
+///
+/// # Safety
+/// The range is writable.
+unsafe fn write_zeros(start: usize, length: usize) {
+    if length > 0 {
+        // SAFETY: the caller's range.
+        unsafe { libc::explicit_bzero(start as *mut libc::c_void, length) };
+    }
+}
+
+/// Zeroes bytes a buffer keeps for reuse, so that what they held is not
+/// in memory a later child is forked with.
+pub fn wipe(bytes: &mut [u8]) {
+    // SAFETY: the slice's own bytes.
+    unsafe { write_zeros(bytes.as_mut_ptr() as usize, bytes.len()) };
+}
+
 /// Zeroes `length` bytes at `start`: whole pages dropped (`MADV_DONTNEED`:
 /// they read as zeros, without being touched, let alone copied by a fork),
 /// the partial pages at either end written.
@@ -58,7 +78,7 @@ unsafe fn zero(start: usize, length: usize) {
     // simply written.
     if length < OWN_MAPPING {
         // SAFETY: the caller's range.
-        unsafe { std::ptr::write_bytes(start as *mut u8, 0, length) };
+        unsafe { write_zeros(start, length) };
         return;
     }
     // SAFETY: sysconf has no preconditions.
@@ -69,18 +89,18 @@ unsafe fn zero(start: usize, length: usize) {
     // SAFETY: inside the caller's range.
     unsafe {
         if first_page >= last_page {
-            std::ptr::write_bytes(start as *mut u8, 0, length);
+            write_zeros(start, length);
             return;
         }
-        std::ptr::write_bytes(start as *mut u8, 0, first_page - start);
-        std::ptr::write_bytes(last_page as *mut u8, 0, end - last_page);
+        write_zeros(start, first_page - start);
+        write_zeros(last_page, end - last_page);
         let dropped = libc::madvise(
             first_page as *mut libc::c_void,
             last_page - first_page,
             libc::MADV_DONTNEED,
         );
         if dropped != 0 {
-            std::ptr::write_bytes(first_page as *mut u8, 0, last_page - first_page);
+            write_zeros(first_page, last_page - first_page);
         }
     }
 }
@@ -199,9 +219,9 @@ pub fn wipe_held_in_child() {
 pub fn drain_front(buffer: &mut Vec<u8>, n: usize) {
     let n = n.min(buffer.len());
     buffer.drain(..n);
-    for byte in &mut buffer.spare_capacity_mut()[..n] {
-        byte.write(0);
-    }
+    let spare = &mut buffer.spare_capacity_mut()[..n];
+    // SAFETY: the vector's own spare capacity, `n` bytes of it.
+    unsafe { write_zeros(spare.as_mut_ptr() as usize, spare.len()) };
 }
 
 /// Empties a reused read buffer, zeroing what it held.

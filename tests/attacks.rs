@@ -346,8 +346,11 @@ fn no_call_finds_what_earlier_calls_were_sent_or_returned_anywhere_in_its_memory
     let padding = "p".repeat(16_000);
     // Under `node` too: the scan is another node's, whose resident is
     // forked from the zygote that relayed the victim's replies.
-    for isolation in ["call", "node", "reset"] {
-        let mut worker = Worker::zygote(&["--isolation", isolation]);
+    for (binary, isolation) in common::builds()
+        .iter()
+        .flat_map(|b| ["call", "node", "reset"].map(|i| (b.clone(), i)))
+    {
+        let mut worker = Worker::zygote_of(&binary, &["--isolation", isolation]);
         for id in 0..3 {
             let reply = worker
                 .call(&run(
@@ -371,7 +374,8 @@ fn no_call_finds_what_earlier_calls_were_sent_or_returned_anywhere_in_its_memory
             assert_eq!(
                 reply["result"],
                 json!([]),
-                "an earlier call's {secret:?} is in a later call's memory: {reply}"
+                "{}, {isolation}: an earlier call's {secret:?} is in a later call's memory: {reply}",
+                binary.display()
             );
         }
     }
@@ -406,8 +410,11 @@ fn in_worker_mode_no_call_finds_what_an_earlier_call_of_its_node_was_sent_or_ret
     for padding in [16_000, 700_000] {
         let secrets = sent_and_returned(&format!("worker-same-node-{padding}"));
         let padding = "p".repeat(padding);
-        for isolation in ISOLATIONS {
-            let mut worker = Worker::zygote(&["--isolation", isolation]);
+        for (binary, isolation) in common::builds()
+            .iter()
+            .flat_map(|b| ISOLATIONS.map(|i| (b.clone(), i)))
+        {
+            let mut worker = Worker::zygote_of(&binary, &["--isolation", isolation]);
             for id in 0..3 {
                 let kwargs = json!({"sent": secrets[0], "padding": padding});
                 let reply = worker.call(&run(id, "both", &source, kwargs)).reply;
@@ -420,7 +427,8 @@ fn in_worker_mode_no_call_finds_what_an_earlier_call_of_its_node_was_sent_or_ret
                 assert_eq!(
                     reply["result"],
                     json!([]),
-                    "an earlier call's {secret:?} is in a later call's memory: {reply}"
+                    "{}, {isolation}: an earlier call's {secret:?} is in a later call's memory: {reply}",
+                    binary.display()
                 );
             }
         }

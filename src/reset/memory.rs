@@ -368,6 +368,20 @@ impl Snapshot {
         Ok(restored)
     }
 
+    /// Where this thread's stack mapping starts (its lowest address), as
+    /// the last restore read the mappings: nothing maps or grows the stack
+    /// between a restore and the wipe that asks.
+    pub fn stack_start(&self) -> Option<usize> {
+        let here = std::hint::black_box(0u8);
+        let here = std::ptr::addr_of!(here) as usize;
+        // SAFETY: Keep lives as long as the process; read only.
+        let k = unsafe { &*self.keep };
+        k.now[..k.current]
+            .iter()
+            .find(|m| m.start <= here && here < m.end)
+            .map(|m| m.start)
+    }
+
     /// Keep's mapping, or the view: the snapshot's own.
     fn is_ours(&self, mapping: &Mapping) -> bool {
         // SAFETY: Keep lives as long as the process.

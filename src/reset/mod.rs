@@ -48,6 +48,11 @@ impl Reset {
         self.snapshot.size()
     }
 
+    /// Where the stack starts, for [`wipe_stack_below`].
+    pub fn stack_start(&self) -> Option<usize> {
+        self.snapshot.stack_start()
+    }
+
     /// After a call has replied: what it started ended, its memory put
     /// back, the rest compared. `Err`: why this process can serve no more
     /// calls (its memory may be the call's).
@@ -146,10 +151,9 @@ fn cell_members(me: i32) -> Vec<i32> {
 
 /// Wipes the stack below the caller's frame: what the call's deeper frames
 /// left there. The stretch right below is written over, the pages below
-/// that dropped.
+/// that dropped, down to `stack`, where the stack's mapping starts.
 #[inline(never)]
-pub fn wipe_stack_below() {
-    let Some(stack) = stack_start() else { return };
+pub fn wipe_stack_below(stack: usize) {
     burn();
     let here = std::hint::black_box(0u8);
     let here = std::ptr::addr_of!(here) as usize;
@@ -179,11 +183,4 @@ fn burn() {
         unsafe { std::ptr::write_volatile(byte, 0) };
     }
     std::hint::black_box(&burnt);
-}
-
-/// Where the main thread's stack mapping starts (its lowest address).
-fn stack_start() -> Option<usize> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    let line = maps.lines().find(|l| l.ends_with("[stack]"))?;
-    usize::from_str_radix(line.split('-').next()?, 16).ok()
 }

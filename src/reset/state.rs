@@ -6,42 +6,111 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::ops::Range;
 
-/// The process's kernel-held state, by item.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct State(BTreeMap<String, String>);
+/// The process's kernel-held state: every item's name and value, back to
+/// back in one buffer, read with no allocation per item (it is read after
+/// every call).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct State {
+    text: String,
+    /// Each item: where its name and its value are in `text`.
+    items: Vec<(Range<usize>, Range<usize>)>,
+}
 
 impl State {
     /// Reads it now.
     pub fn read() -> State {
-        let mut items = BTreeMap::new();
-        fds(&mut items);
-        tasks(&mut items);
-        signals(&mut items);
-        places(&mut items);
-        limits(&mut items);
-        status(&mut items);
-        timers(&mut items);
-        identity(&mut items);
-        scheduling(&mut items);
-        State(items)
+        let mut state = State {
+            text: String::with_capacity(32 * 1024),
+            items: Vec::with_capacity(256),
+        };
+        fds(&mut state);
+        tasks(&mut state);
+        signals(&mut state);
+        places(&mut state);
+        limits(&mut state);
+        status(&mut state);
+        timers(&mut state);
+        identity(&mut state);
+        scheduling(&mut state);
+        state
     }
 
     /// The first difference from `before`, said as a person would read it.
     pub fn changed_from(&self, before: &State) -> Option<String> {
-        let absent = String::from("absent");
-        for (key, value) in &self.0 {
-            let was = before.0.get(key).unwrap_or(&absent);
-            if was != value {
-                return Some(format!("{key}: {} → {}", shorten(was), shorten(value)));
+        if self == before {
+            return None;
+        }
+        let (now, was) = (self.by_name(), before.by_name());
+        for (key, value) in &now {
+            let old = was.get(key).copied().unwrap_or("absent");
+            if old != *value {
+                return Some(format!("{key}: {} → {}", shorten(old), shorten(value)));
             }
         }
-        for (key, was) in &before.0 {
-            if !self.0.contains_key(key) {
-                return Some(format!("{key}: {} → absent", shorten(was)));
-            }
+        was.iter()
+            .find(|(key, _)| !now.contains_key(*key))
+            .map(|(key, old)| format!("{key}: {} → absent", shorten(old)))
+    }
+
+    fn by_name(&self) -> BTreeMap<&str, &str> {
+        self.items
+            .iter()
+            .map(|(name, value)| (&self.text[name.clone()], &self.text[value.clone()]))
+            .collect()
+    }
+
+    /// Starts an item: its name, formatted into the buffer.
+    fn name(&mut self, name: std::fmt::Arguments<'_>) -> Item<'_> {
+        let from = self.text.len();
+        let _ = self.text.write_fmt(name);
+        let named = from..self.text.len();
+        Item {
+            value_from: self.text.len(),
+            named,
+            state: self,
         }
-        None
+    }
+
+    /// An item whose value is formatted.
+    fn add(&mut self, name: &str, value: std::fmt::Arguments<'_>) {
+        self.name(format_args!("{name}")).write(value);
+    }
+}
+
+/// An item being written: its value goes into the buffer until it is
+/// dropped.
+struct Item<'a> {
+    state: &'a mut State,
+    named: Range<usize>,
+    value_from: usize,
+}
+
+impl Item<'_> {
+    fn write(self, value: std::fmt::Arguments<'_>) {
+        let _ = self.state.text.write_fmt(value);
+    }
+
+    /// The value is a file's content (lossy UTF-8), or why it is unreadable.
+    fn file(self, path: &std::ffi::CStr) {
+        read_into(path, &mut self.state.text);
+    }
+
+    /// The value is where a link points, or empty.
+    fn link(self, path: &std::ffi::CStr) {
+        link_into(path, &mut self.state.text);
+    }
+
+    fn text(&mut self) -> &mut String {
+        &mut self.state.text
+    }
+}
+
+impl Drop for Item<'_> {
+    fn drop(&mut self) {
+        let value = self.value_from..self.state.text.len();
+        self.state.items.push((self.named.clone(), value));
     }
 }
 
@@ -57,16 +126,75 @@ fn shorten(text: &str) -> String {
     format!("{}…", &text[..cut])
 }
 
-fn read(path: &str) -> String {
-    std::fs::read(path)
-        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
-        .unwrap_or_else(|e| format!("unreadable ({e})"))
+/// Appends a file's content to `into` (lossy UTF-8), or why it could not be
+/// read.
+fn read_into(path: &std::ffi::CStr, into: &mut String) {
+    // SAFETY: open with a NUL-terminated path.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
+        return;
+    }
+    let mut buffer = [0u8; 4096];
+    let mut bytes = Vec::new();
+    loop {
+        // SAFETY: reads into a local buffer, within its length.
+        let n = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
+        if n <= 0 {
+            if n < 0 {
+                let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
+            }
+            break;
+        }
+        let chunk = &buffer[..n as usize];
+        if bytes.is_empty() && n < buffer.len() as isize {
+            // The whole file in one read: no copy.
+            into.push_str(&String::from_utf8_lossy(chunk));
+            // SAFETY: closing our fd.
+            unsafe { libc::close(fd) };
+            return;
+        }
+        bytes.extend_from_slice(chunk);
+    }
+    // SAFETY: closing our fd.
+    unsafe { libc::close(fd) };
+    into.push_str(&String::from_utf8_lossy(&bytes));
+}
+
+/// Appends where a link points to `into`, nothing if it is gone.
+fn link_into(path: &std::ffi::CStr, into: &mut String) -> bool {
+    let mut buffer = [0u8; libc::PATH_MAX as usize];
+    // SAFETY: readlink into a local buffer, within its length.
+    let n = unsafe { libc::readlink(path.as_ptr(), buffer.as_mut_ptr().cast(), buffer.len()) };
+    if n < 0 {
+        return false;
+    }
+    into.push_str(&String::from_utf8_lossy(&buffer[..n as usize]));
+    true
+}
+
+/// A NUL-terminated path, formatted on the stack.
+struct ProcPath {
+    bytes: [u8; 64],
+}
+
+impl ProcPath {
+    fn new(path: std::fmt::Arguments<'_>) -> ProcPath {
+        let mut text = ProcPath { bytes: [0; 64] };
+        let mut cursor = std::io::Cursor::new(&mut text.bytes[..63]);
+        let _ = std::io::Write::write_fmt(&mut cursor, path);
+        text
+    }
+
+    fn as_c_str(&self) -> &std::ffi::CStr {
+        std::ffi::CStr::from_bytes_until_nul(&self.bytes).unwrap_or(c"")
+    }
 }
 
 /// Each open fd: what it is, its offset and its flags, and the locks held.
-fn fds(items: &mut BTreeMap<String, String>) {
+fn fds(state: &mut State) {
     let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
-        items.insert("fds".into(), "unreadable".into());
+        state.add("fds", format_args!("unreadable"));
         return;
     };
     let mut numbers: Vec<i32> = entries
@@ -74,48 +202,98 @@ fn fds(items: &mut BTreeMap<String, String>) {
         .filter_map(|e| e.file_name().to_str()?.parse().ok())
         .collect();
     numbers.sort_unstable();
+    let mut info = String::new();
     for fd in numbers {
-        let Ok(target) = std::fs::read_link(format!("/proc/self/fd/{fd}")) else {
+        let from = state.text.len();
+        let mut item = state.name(format_args!("fd {fd}"));
+        if !link_into(
+            ProcPath::new(format_args!("/proc/self/fd/{fd}")).as_c_str(),
+            item.text(),
+        ) {
             // The directory's own fd, closed since.
+            drop(item);
+            state.items.pop();
+            state.text.truncate(from);
             continue;
-        };
-        let info = read(&format!("/proc/self/fdinfo/{fd}"));
+        }
+        info.clear();
+        read_into(
+            ProcPath::new(format_args!("/proc/self/fdinfo/{fd}")).as_c_str(),
+            &mut info,
+        );
         // Offset, flags and what an epoll, a signalfd, an inotify or a
         // timerfd watches; not counters that move on their own. The
         // standard streams' offsets are the runtime's too (they are
         // shared with it, in every isolation): output moves them.
-        let info: Vec<String> = info
-            .lines()
-            .filter(|l| !l.starts_with("eventfd-count") && !l.starts_with("it_value"))
-            .filter(|l| !l.starts_with("ticks") && !l.starts_with("mnt_id"))
-            .filter(|l| fd > 2 || !l.starts_with("pos:"))
-            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-            .collect();
-        items.insert(
-            format!("fd {fd}"),
-            format!("{} ({})", target.display(), info.join(", ")),
-        );
+        let text = item.text();
+        text.push_str(" (");
+        let mut first = true;
+        for line in info.lines() {
+            if line.starts_with("eventfd-count")
+                || line.starts_with("it_value")
+                || line.starts_with("ticks")
+                || line.starts_with("mnt_id")
+                || (fd <= 2 && line.starts_with("pos:"))
+            {
+                continue;
+            }
+            if !first {
+                text.push_str(", ");
+            }
+            first = false;
+            for (i, word) in line.split_whitespace().enumerate() {
+                if i > 0 {
+                    text.push(' ');
+                }
+                text.push_str(word);
+            }
+        }
+        text.push(')');
     }
     let pid = std::process::id().to_string();
-    let locks: Vec<String> = read("/proc/locks")
+    let mut locks = String::new();
+    read_into(c"/proc/locks", &mut locks);
+    let mut item = state.name(format_args!("file locks"));
+    let text = item.text();
+    let mut first = true;
+    for line in locks
         .lines()
         .filter(|l| l.split_whitespace().nth(4) == Some(pid.as_str()))
-        .map(|l| l.split_whitespace().skip(1).collect::<Vec<_>>().join(" "))
-        .collect();
-    items.insert("file locks".into(), locks.join("; "));
+    {
+        if !first {
+            text.push_str("; ");
+        }
+        first = false;
+        for (i, word) in line.split_whitespace().skip(1).enumerate() {
+            if i > 0 {
+                text.push(' ');
+            }
+            text.push_str(word);
+        }
+    }
 }
 
 /// Threads, and child processes (a zombie is one).
-fn tasks(items: &mut BTreeMap<String, String>) {
+fn tasks(state: &mut State) {
     let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
-    items.insert("threads".into(), threads.to_string());
-    let children = read(&format!("/proc/self/task/{}/children", std::process::id()));
-    items.insert("child processes".into(), children.trim().to_string());
+    state.add("threads", format_args!("{threads}"));
+    let pid = std::process::id();
+    let mut item = state.name(format_args!("child processes"));
+    read_into(
+        ProcPath::new(format_args!("/proc/self/task/{pid}/children")).as_c_str(),
+        item.text(),
+    );
+    trim_end(item.text());
+}
+
+/// Drops the whitespace the value being written ends with.
+fn trim_end(text: &mut String) {
+    text.truncate(text.trim_end().len());
 }
 
 /// Every signal's disposition, the mask, what is pending, the alternate
-/// stack.
-fn signals(items: &mut BTreeMap<String, String>) {
+/// stack. Sets are shown as the kernel's 64-bit words.
+fn signals(state: &mut State) {
     for signal in 1..=libc::SIGRTMAX() {
         if signal == libc::SIGKILL || signal == libc::SIGSTOP {
             continue;
@@ -128,24 +306,15 @@ fn signals(items: &mut BTreeMap<String, String>) {
             }
             action
         };
-        let mask: Vec<i32> = (1..=libc::SIGRTMAX())
-            // SAFETY: sigismember on a set the kernel filled.
-            .filter(|&s| unsafe { libc::sigismember(&action.sa_mask, s) } == 1)
-            .collect();
-        items.insert(
-            format!("signal {signal:>2}"),
-            format!(
-                "handler {:#x} flags {:#x} mask {mask:?}",
-                action.sa_sigaction, action.sa_flags
-            ),
-        );
+        state
+            .name(format_args!("signal {signal:>2}"))
+            .write(format_args!(
+                "handler {:#x} flags {:#x} mask {:#x}",
+                action.sa_sigaction,
+                action.sa_flags,
+                word(&action.sa_mask)
+            ));
     }
-    let members = |set: &libc::sigset_t| -> Vec<i32> {
-        (1..=libc::SIGRTMAX())
-            // SAFETY: sigismember on a set the kernel filled.
-            .filter(|&s| unsafe { libc::sigismember(set, s) } == 1)
-            .collect()
-    };
     // SAFETY: reads of the mask and the pending set into local sets.
     let (mask, pending) = unsafe {
         let mut mask: libc::sigset_t = std::mem::zeroed();
@@ -154,47 +323,53 @@ fn signals(items: &mut BTreeMap<String, String>) {
         libc::sigpending(&mut pending);
         (mask, pending)
     };
-    items.insert("signal mask".into(), format!("{:?}", members(&mask)));
-    items.insert("signals pending".into(), format!("{:?}", members(&pending)));
+    state.add("signal mask", format_args!("{:#x}", word(&mask)));
+    state.add("signals pending", format_args!("{:#x}", word(&pending)));
     // SAFETY: sigaltstack with no new stack reads the current one.
     let stack = unsafe {
         let mut stack: libc::stack_t = std::mem::zeroed();
         libc::sigaltstack(std::ptr::null(), &mut stack);
         stack
     };
-    items.insert(
-        "signal stack".into(),
-        format!("{:p} {} {}", stack.ss_sp, stack.ss_size, stack.ss_flags),
+    state.add(
+        "signal stack",
+        format_args!("{:p} {} {}", stack.ss_sp, stack.ss_size, stack.ss_flags),
     );
 }
 
+/// A signal set as the kernel holds it: one word, signal N at bit N - 1.
+fn word(set: &libc::sigset_t) -> u64 {
+    // SAFETY: sigset_t is at least 8 bytes; the kernel's set is its first
+    // word.
+    unsafe { std::ptr::read_unaligned((set as *const libc::sigset_t).cast::<u64>()) }
+}
+
 /// Where it is: the working directory, the root, its cgroup, namespaces.
-fn places(items: &mut BTreeMap<String, String>) {
-    for link in ["cwd", "root", "exe"] {
-        let target = std::fs::read_link(format!("/proc/self/{link}"))
-            .map(|t| t.display().to_string())
-            .unwrap_or_default();
-        items.insert(link.into(), target);
-    }
-    items.insert(
-        "cgroup".into(),
-        read("/proc/self/cgroup").trim().to_string(),
-    );
-    if let Ok(entries) = std::fs::read_dir("/proc/self/ns") {
-        for entry in entries.flatten() {
-            let target = std::fs::read_link(entry.path())
-                .map(|t| t.display().to_string())
-                .unwrap_or_default();
-            items.insert(
-                format!("namespace {}", entry.file_name().to_string_lossy()),
-                target,
-            );
-        }
+fn places(state: &mut State) {
+    state.name(format_args!("cwd")).link(c"/proc/self/cwd");
+    state.name(format_args!("root")).link(c"/proc/self/root");
+    state.name(format_args!("exe")).link(c"/proc/self/exe");
+    let mut item = state.name(format_args!("cgroup"));
+    read_into(c"/proc/self/cgroup", item.text());
+    trim_end(item.text());
+    drop(item);
+    let Ok(entries) = std::fs::read_dir("/proc/self/ns") else {
+        return;
+    };
+    let mut names: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.sort_unstable();
+    for name in names {
+        state
+            .name(format_args!("namespace {name}"))
+            .link(ProcPath::new(format_args!("/proc/self/ns/{name}")).as_c_str());
     }
 }
 
 /// Every resource limit.
-fn limits(items: &mut BTreeMap<String, String>) {
+fn limits(state: &mut State) {
     // RLIMIT_CPU (0) to RLIMIT_RTTIME (15): all Linux has.
     for resource in 0..16 {
         // SAFETY: getrlimit into a local.
@@ -205,16 +380,15 @@ fn limits(items: &mut BTreeMap<String, String>) {
             }
             limit
         };
-        items.insert(
-            format!("rlimit {resource:>2}"),
-            format!("{} {}", limit.rlim_cur, limit.rlim_max),
-        );
+        state
+            .name(format_args!("rlimit {resource:>2}"))
+            .write(format_args!("{} {}", limit.rlim_cur, limit.rlim_max));
     }
 }
 
 /// From `/proc/self/status`: credentials and capabilities, the umask,
 /// seccomp, no_new_privs, speculation controls.
-fn status(items: &mut BTreeMap<String, String>) {
+fn status(state: &mut State) {
     const KEPT: &[&str] = &[
         "Umask",
         "Uid",
@@ -232,17 +406,21 @@ fn status(items: &mut BTreeMap<String, String>) {
         "SpeculationIndirectBranch",
         "THP_enabled",
     ];
-    for line in read("/proc/self/status").lines() {
+    let mut text = String::new();
+    read_into(c"/proc/self/status", &mut text);
+    for line in text.lines() {
         if let Some((key, value)) = line.split_once(':')
             && KEPT.contains(&key)
         {
-            items.insert(format!("status {key}"), value.trim().to_string());
+            state
+                .name(format_args!("status {key}"))
+                .write(format_args!("{}", value.trim()));
         }
     }
 }
 
 /// Interval timers, POSIX timers, the timer slack.
-fn timers(items: &mut BTreeMap<String, String>) {
+fn timers(state: &mut State) {
     for (name, which) in [
         ("ITIMER_REAL", libc::ITIMER_REAL),
         ("ITIMER_VIRTUAL", libc::ITIMER_VIRTUAL),
@@ -256,27 +434,30 @@ fn timers(items: &mut BTreeMap<String, String>) {
         };
         // An armed timer counts down: armed or not, and its interval.
         let armed = timer.it_value.tv_sec != 0 || timer.it_value.tv_usec != 0;
-        items.insert(
-            format!("timer {name}"),
-            format!(
-                "armed {armed} interval {}.{:06}",
-                timer.it_interval.tv_sec, timer.it_interval.tv_usec
-            ),
-        );
+        state.name(format_args!("timer {name}")).write(format_args!(
+            "armed {armed} interval {}.{:06}",
+            timer.it_interval.tv_sec, timer.it_interval.tv_usec
+        ));
     }
-    items.insert("posix timers".into(), read("/proc/self/timers"));
+    state
+        .name(format_args!("posix timers"))
+        .file(c"/proc/self/timers");
     // SAFETY: prctl reads.
     let slack = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
-    items.insert("timer slack".into(), slack.to_string());
+    state.add("timer slack", format_args!("{slack}"));
 }
 
 /// How it is named and what it runs with: the environment and arguments
 /// as the kernel holds them, its name, its session and group, prctl's
 /// settings, its personality.
-fn identity(items: &mut BTreeMap<String, String>) {
-    items.insert("environ".into(), read("/proc/self/environ"));
-    items.insert("cmdline".into(), read("/proc/self/cmdline"));
-    items.insert("comm".into(), read("/proc/self/comm"));
+fn identity(state: &mut State) {
+    state
+        .name(format_args!("environ"))
+        .file(c"/proc/self/environ");
+    state
+        .name(format_args!("cmdline"))
+        .file(c"/proc/self/cmdline");
+    state.name(format_args!("comm")).file(c"/proc/self/comm");
     // SAFETY: plain reads of this process's ids and settings.
     let (sid, pgid, personality) = unsafe {
         (
@@ -285,9 +466,9 @@ fn identity(items: &mut BTreeMap<String, String>) {
             libc::personality(0xffff_ffff),
         )
     };
-    items.insert("session".into(), format!("{sid} {pgid}"));
-    items.insert("personality".into(), personality.to_string());
-    let mut prctl = String::new();
+    state.add("session", format_args!("{sid} {pgid}"));
+    state.add("personality", format_args!("{personality}"));
+    let mut item = state.name(format_args!("prctl"));
     for (name, option) in [
         ("dumpable", libc::PR_GET_DUMPABLE),
         ("keepcaps", libc::PR_GET_KEEPCAPS),
@@ -296,7 +477,7 @@ fn identity(items: &mut BTreeMap<String, String>) {
     ] {
         // SAFETY: prctl reads.
         let value = unsafe { libc::prctl(option, 0, 0, 0, 0) };
-        let _ = write!(prctl, "{name}={value} ");
+        let _ = write!(item.text(), "{name}={value} ");
     }
     let mut signal: libc::c_int = 0;
     let mut subreaper: libc::c_int = 0;
@@ -305,29 +486,82 @@ fn identity(items: &mut BTreeMap<String, String>) {
         libc::prctl(libc::PR_GET_PDEATHSIG, &mut signal);
         libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut subreaper);
     }
-    let _ = write!(prctl, "pdeathsig={signal} subreaper={subreaper}");
-    items.insert("prctl".into(), prctl);
-    items.insert(
-        "oom_score_adj".into(),
-        read("/proc/self/oom_score_adj").trim().to_string(),
-    );
+    item.write(format_args!("pdeathsig={signal} subreaper={subreaper}"));
+    let mut item = state.name(format_args!("oom_score_adj"));
+    read_into(c"/proc/self/oom_score_adj", item.text());
+    trim_end(item.text());
 }
 
 /// Its priority, scheduler and CPUs.
-fn scheduling(items: &mut BTreeMap<String, String>) {
+fn scheduling(state: &mut State) {
     // SAFETY: reads of this process's scheduling.
-    unsafe {
+    let (nice, policy, cpus, ioprio) = unsafe {
         *libc::__errno_location() = 0;
         let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
         let policy = libc::sched_getscheduler(0);
         let mut cpus: libc::cpu_set_t = std::mem::zeroed();
         libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut cpus);
-        let count = libc::CPU_COUNT(&cpus);
-        let first: Vec<usize> = (0..1024).filter(|&c| libc::CPU_ISSET(c, &cpus)).collect();
-        items.insert("nice".into(), nice.to_string());
-        items.insert("scheduler".into(), policy.to_string());
-        items.insert("cpus".into(), format!("{count} {first:?}"));
         let ioprio = libc::syscall(libc::SYS_ioprio_get, 1, 0);
-        items.insert("ioprio".into(), ioprio.to_string());
+        (nice, policy, cpus, ioprio)
+    };
+    state.add("nice", format_args!("{nice}"));
+    state.add("scheduler", format_args!("{policy}"));
+    let mut item = state.name(format_args!("cpus"));
+    // SAFETY: reads of a set the kernel filled.
+    let count = unsafe { libc::CPU_COUNT(&cpus) };
+    let _ = write!(item.text(), "{count} [");
+    let mut first = true;
+    for cpu in 0..libc::CPU_SETSIZE as usize {
+        // SAFETY: as above.
+        if unsafe { libc::CPU_ISSET(cpu, &cpus) } {
+            let _ = write!(item.text(), "{}{cpu}", if first { "" } else { ", " });
+            first = false;
+        }
+    }
+    item.write(format_args!("]"));
+    state.add("ioprio", format_args!("{ioprio}"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_names_itself_and_nothing_else_differs() {
+        let before = State::read();
+        assert_eq!(State::read().changed_from(&before), None);
+        // The timer slack is this thread's own: no other test sees it.
+        // SAFETY: prctl reads and sets this thread's timer slack.
+        let old = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
+        // SAFETY: as above.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 123_456 as libc::c_ulong) };
+        let change = State::read().changed_from(&before);
+        // SAFETY: as above.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, old as libc::c_ulong) };
+        assert_eq!(
+            change.as_deref(),
+            Some(format!("timer slack: {old} → 123456").as_str())
+        );
+        assert!(before.items.len() > 80, "{} items", before.items.len());
+    }
+
+    #[test]
+    fn an_item_gone_or_new_is_named() {
+        let mut before = State::read();
+        let mut extra = before.clone();
+        extra.add("made up", format_args!("x"));
+        assert_eq!(
+            extra.changed_from(&before).as_deref(),
+            Some("made up: absent → x")
+        );
+        assert_eq!(
+            before.changed_from(&extra).as_deref(),
+            Some("made up: x → absent")
+        );
+        before.add("made up", format_args!("y"));
+        assert_eq!(
+            before.changed_from(&extra).as_deref(),
+            Some("made up: x → y")
+        );
     }
 }

@@ -558,7 +558,9 @@ fn serve_resetting(
                 crate::process::exit_now(0)
             }
         }
-        crate::reset::wipe_stack_below();
+        if let Some(stack) = reset.stack_start() {
+            crate::reset::wipe_stack_below(stack);
+        }
     }
 }
 

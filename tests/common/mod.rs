@@ -18,6 +18,22 @@ use serde_json::Value;
 /// The binary under test.
 pub const ZYGOTE: &str = env!("CARGO_BIN_EXE_fluksio-zygote");
 
+/// The builds of the binary that tests of leaks run on: this one, and the
+/// release build CI names in `FLUKSIO_TEST_RELEASE_BINARY`. An optimiser
+/// drops what a debug build does (a memset before a free is a dead store
+/// to it), so what a call can find in memory is checked in both.
+pub fn builds() -> Vec<PathBuf> {
+    let mut builds = vec![PathBuf::from(ZYGOTE)];
+    match std::env::var_os("FLUKSIO_TEST_RELEASE_BINARY") {
+        Some(release) => builds.push(PathBuf::from(release)),
+        None => eprintln!(
+            "FLUKSIO_TEST_RELEASE_BINARY is not set: this build only, not a release build \
+             (.ci/run sets it to the one `pip install .` built)"
+        ),
+    }
+    builds
+}
+
 /// The shared reference reconstructions, beside the project.
 pub fn reference_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/reference")
@@ -57,7 +73,12 @@ pub struct Answer {
 
 impl Worker {
     pub fn zygote(args: &[&str]) -> Worker {
-        let mut command = Command::new(ZYGOTE);
+        Worker::zygote_of(Path::new(ZYGOTE), args)
+    }
+
+    /// `worker` of the build at `binary` (see [`builds`]).
+    pub fn zygote_of(binary: &Path, args: &[&str]) -> Worker {
+        let mut command = Command::new(binary);
         command.arg("worker").args(args);
         Worker::spawn(command)
     }
