@@ -254,7 +254,9 @@ mod tests {
             let layout = Layout::from_size_align(size, 8).unwrap();
             // SAFETY: a fresh block of `layout`, asked about, freed once.
             unsafe {
-                let block = allocator.alloc(layout);
+                // Opaque: an optimiser may otherwise fold a block that
+                // is only freed (and its header read) into no block at all.
+                let block = std::hint::black_box(allocator.alloc(layout));
                 assert_eq!(super::own_mapping(block), mapped, "{size} bytes");
                 allocator.dealloc(block, layout);
             }
