@@ -135,30 +135,42 @@ fn read_into(path: &std::ffi::CStr, into: &mut String) {
         let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
         return;
     }
-    let mut buffer = [0u8; 4096];
     let mut bytes = Vec::new();
+    let mut buffer = [0u8; 4096];
     loop {
         // SAFETY: reads into a local buffer, within its length.
         let n = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
+        if n < 0 {
+            let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
+        }
         if n <= 0 {
-            if n < 0 {
-                let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
-            }
             break;
         }
-        let chunk = &buffer[..n as usize];
-        if bytes.is_empty() && n < buffer.len() as isize {
-            // The whole file in one read: no copy.
-            into.push_str(&String::from_utf8_lossy(chunk));
-            // SAFETY: closing our fd.
-            unsafe { libc::close(fd) };
-            return;
-        }
-        bytes.extend_from_slice(chunk);
+        bytes.extend_from_slice(&buffer[..n as usize]);
     }
     // SAFETY: closing our fd.
     unsafe { libc::close(fd) };
     into.push_str(&String::from_utf8_lossy(&bytes));
+}
+
+/// Appends `lines` to `text`, `between` each, each line's words separated
+/// by one space.
+fn push_joined<'a>(
+    text: &mut String,
+    lines: impl Iterator<Item = impl Iterator<Item = &'a str>>,
+    between: &str,
+) {
+    for (i, words) in lines.enumerate() {
+        if i > 0 {
+            text.push_str(between);
+        }
+        for (j, word) in words.enumerate() {
+            if j > 0 {
+                text.push(' ');
+            }
+            text.push_str(word);
+        }
+    }
 }
 
 /// Appends where a link points to `into`, nothing if it is gone.
@@ -202,18 +214,14 @@ fn fds(state: &mut State) {
         .filter_map(|e| e.file_name().to_str()?.parse().ok())
         .collect();
     numbers.sort_unstable();
-    let mut info = String::new();
+    let (mut target, mut info) = (String::new(), String::new());
     for fd in numbers {
-        let from = state.text.len();
-        let mut item = state.name(format_args!("fd {fd}"));
+        target.clear();
         if !link_into(
             ProcPath::new(format_args!("/proc/self/fd/{fd}")).as_c_str(),
-            item.text(),
+            &mut target,
         ) {
             // The directory's own fd, closed since.
-            drop(item);
-            state.items.pop();
-            state.text.truncate(from);
             continue;
         }
         info.clear();
@@ -225,52 +233,28 @@ fn fds(state: &mut State) {
         // timerfd watches; not counters that move on their own. The
         // standard streams' offsets are the runtime's too (they are
         // shared with it, in every isolation): output moves them.
-        let text = item.text();
-        text.push_str(" (");
-        let mut first = true;
-        for line in info.lines() {
-            if line.starts_with("eventfd-count")
+        let kept = info.lines().filter(|line| {
+            !(line.starts_with("eventfd-count")
                 || line.starts_with("it_value")
                 || line.starts_with("ticks")
                 || line.starts_with("mnt_id")
-                || (fd <= 2 && line.starts_with("pos:"))
-            {
-                continue;
-            }
-            if !first {
-                text.push_str(", ");
-            }
-            first = false;
-            for (i, word) in line.split_whitespace().enumerate() {
-                if i > 0 {
-                    text.push(' ');
-                }
-                text.push_str(word);
-            }
-        }
+                || (fd <= 2 && line.starts_with("pos:")))
+        });
+        let mut item = state.name(format_args!("fd {fd}"));
+        let text = item.text();
+        text.push_str(&target);
+        text.push_str(" (");
+        push_joined(text, kept.map(str::split_whitespace), ", ");
         text.push(')');
     }
     let pid = std::process::id().to_string();
     let mut locks = String::new();
     read_into(c"/proc/locks", &mut locks);
-    let mut item = state.name(format_args!("file locks"));
-    let text = item.text();
-    let mut first = true;
-    for line in locks
+    let ours = locks
         .lines()
         .filter(|l| l.split_whitespace().nth(4) == Some(pid.as_str()))
-    {
-        if !first {
-            text.push_str("; ");
-        }
-        first = false;
-        for (i, word) in line.split_whitespace().skip(1).enumerate() {
-            if i > 0 {
-                text.push(' ');
-            }
-            text.push_str(word);
-        }
-    }
+        .map(|l| l.split_whitespace().skip(1));
+    push_joined(state.name(format_args!("file locks")).text(), ours, "; ");
 }
 
 /// Threads, and child processes (a zombie is one).
