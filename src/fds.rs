@@ -116,6 +116,28 @@ pub fn set_nonblocking(fd: RawFd) {
     }
 }
 
+/// Where [`out_of_the_way`] moves an fd: above the low numbers.
+const OUT_OF_THE_WAY: RawFd = 100;
+
+/// `fd` moved to 100 or above, close-on-exec, where the fd limit allows
+/// (else left where it is; a failed open's `-1` stays one): an fd a
+/// resident child keeps for itself beside node code, off the low numbers
+/// that node code's own `open` gets first in a fresh child (CPython's
+/// `test_closerange` needs two consecutive free fds there).
+pub fn out_of_the_way(fd: RawFd) -> RawFd {
+    if !(0..OUT_OF_THE_WAY).contains(&fd) {
+        return fd;
+    }
+    // SAFETY: F_DUPFD_CLOEXEC makes a new fd; no existing one changes.
+    let moved = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, OUT_OF_THE_WAY) };
+    if moved < 0 {
+        return fd;
+    }
+    // SAFETY: the original, which the caller hands over with it.
+    unsafe { libc::close(fd) };
+    moved
+}
+
 /// A private copy of standard stream `fd` (close-on-exec, at 3 or above),
 /// for this process's own reading or writing of it once
 /// [`shield_standard_streams`] has pointed the stream elsewhere.

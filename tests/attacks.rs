@@ -98,7 +98,8 @@ fn victim(release: &std::path::Path) -> String {
 /// shared mapping (its own log buffer), nothing of anyone else's. Under
 /// `reset` also what puts its own process back (PROTOCOL-NOTES): its
 /// control socket to the zygote, whose word is checked from outside
-/// (`tests/reset.rs` forges it), the pagemap, the sealed snapshot (its
+/// (`tests/reset.rs` forges it), the pagemap, its own maps (read-only,
+/// queried for its mappings), the sealed snapshot (its
 /// view read-only), and its own reply pipe's second fd.
 fn assert_reached_nothing(found: &Value, isolation: &str) {
     let reset = isolation == "reset";
@@ -139,6 +140,7 @@ fn assert_reached_nothing(found: &Value, isolation: &str) {
         reset
             && (target.starts_with("socket:")
                 || target.ends_with("/pagemap")
+                || target.ends_with("/maps")
                 || target.starts_with("/memfd:fluksio-reset"))
     };
     let extra: Vec<&str> = fds

@@ -630,3 +630,36 @@ fn the_agent_serves_its_calls_in_residents_put_back() {
     let (_, reply) = connection.reply_to(&request(10), WAIT);
     assert_eq!(served(&reply).1["seen"], json!([]), "{reply}");
 }
+
+/// A resident keeps its own fds (its control socket; under reset the
+/// pagemap, the mappings and the snapshot) above the low numbers, so node
+/// code opens files where it would in a fresh child: two at once are
+/// consecutive, from 3, as under `python3` (CPython's `test_closerange`
+/// skips itself without that).
+#[test]
+fn node_code_in_a_resident_opens_files_at_the_fds_a_fresh_child_gives() {
+    let source = r#"import os
+def process(x):
+    first = os.open("/dev/null", os.O_RDONLY)
+    second = os.open("/dev/null", os.O_RDONLY)
+    os.close(first)
+    os.close(second)
+    return [os.getpid(), [first, second]]
+"#;
+    for isolation in ["call", "node", "reset"] {
+        let mut worker = Worker::zygote(&["--isolation", isolation]);
+        let pids: Vec<i64> = (0..3)
+            .map(|x| {
+                let reply = worker
+                    .call(&run(x, "normal", source, json!({"x": x})))
+                    .reply;
+                let (pid, fds) = served(&reply);
+                assert_eq!(fds, json!([3, 4]), "under --isolation {isolation}");
+                pid
+            })
+            .collect();
+        if isolation != "call" {
+            served_by_residents(&pids);
+        }
+    }
+}

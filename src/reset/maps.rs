@@ -1,7 +1,13 @@
-//! `/proc/self/maps`, parsed into fixed-size records with no allocation:
-//! the reset reads it while the heap is being put back.
+//! This process's mappings, read into fixed-size records with no
+//! allocation: the reset reads them while the heap is being put back.
+//!
+//! Two ways, the same records: `PROCMAP_QUERY` (Linux 6.11), one ioctl a
+//! mapping, asks for no file's path (printing the paths is most of what
+//! reading the text costs: 0.62 against 1.31 ms for a process with
+//! pandas and scipy loaded); older kernels parse `/proc/self/maps`.
 
 use std::cmp::Ordering;
+use std::os::fd::RawFd;
 
 /// One mapping, as a line of `/proc/self/maps` gives it.
 #[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
@@ -79,6 +85,113 @@ impl Mapping {
     }
 }
 
+/// `struct procmap_query` (linux/fs.h, 6.11 and later).
+#[repr(C)]
+#[derive(Default)]
+struct ProcmapQuery {
+    size: u64,
+    query_flags: u64,
+    query_addr: u64,
+    vma_start: u64,
+    vma_end: u64,
+    vma_flags: u64,
+    vma_page_size: u64,
+    vma_offset: u64,
+    inode: u64,
+    dev_major: u32,
+    dev_minor: u32,
+    vma_name_size: u32,
+    build_id_size: u32,
+    vma_name_addr: u64,
+    build_id_addr: u64,
+}
+
+/// `_IOWR('f', 17, struct procmap_query)`.
+const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
+const QUERY_COVERING_OR_NEXT_VMA: u64 = 0x10;
+const VMA_READABLE: u64 = 0x1;
+const VMA_WRITABLE: u64 = 0x2;
+const VMA_EXECUTABLE: u64 = 0x4;
+const VMA_SHARED: u64 = 0x8;
+
+/// Whether the kernel answers `PROCMAP_QUERY` on `fd`, an open
+/// `/proc/self/maps`.
+pub fn can_query(fd: RawFd) -> bool {
+    query_one(fd, 0, None).is_ok()
+}
+
+/// Reads every mapping into `into` by `PROCMAP_QUERY` on `fd`, an open
+/// `/proc/self/maps`: the count, `Ok(None)` if there are more than `into`
+/// holds. Only an anonymous mapping's name is asked for: it tells the
+/// kernel's own (`[vdso]`) from the rest. The vsyscall page, outside the
+/// process's tree of mappings, is not among them.
+pub fn query(fd: RawFd, into: &mut [Mapping]) -> std::io::Result<Option<usize>> {
+    let mut count = 0;
+    let mut at = 0u64;
+    let mut name = [0u8; 256];
+    loop {
+        let found = match query_one(fd, at, None) {
+            Ok(found) => found,
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(Some(count)),
+            Err(error) => return Err(error),
+        };
+        let special = found.inode == 0
+            && match query_one(fd, found.vma_start, Some(&mut name)) {
+                Ok(named) => {
+                    let length = (named.vma_name_size as usize).saturating_sub(1);
+                    is_special_name(&name[..length.min(name.len())])
+                }
+                // Longer than any of the kernel's own names.
+                Err(error) if error.raw_os_error() == Some(libc::ENAMETOOLONG) => false,
+                Err(error) => return Err(error),
+            };
+        let Some(slot) = into.get_mut(count) else {
+            return Ok(None);
+        };
+        let flag = |bit: u64, prot: i32| if found.vma_flags & bit != 0 { prot } else { 0 };
+        *slot = Mapping {
+            start: found.vma_start as usize,
+            end: found.vma_end as usize,
+            offset: found.vma_offset as usize,
+            inode: found.inode,
+            dev: (found.dev_major as u64) << 32 | found.dev_minor as u64,
+            prot: flag(VMA_READABLE, libc::PROT_READ)
+                | flag(VMA_WRITABLE, libc::PROT_WRITE)
+                | flag(VMA_EXECUTABLE, libc::PROT_EXEC),
+            private: found.vma_flags & VMA_SHARED == 0,
+            special,
+        };
+        count += 1;
+        at = found.vma_end;
+    }
+}
+
+/// The mapping at `at` or the first above it; its name into `name`.
+fn query_one(fd: RawFd, at: u64, name: Option<&mut [u8]>) -> std::io::Result<ProcmapQuery> {
+    let mut query = ProcmapQuery {
+        size: std::mem::size_of::<ProcmapQuery>() as u64,
+        query_flags: QUERY_COVERING_OR_NEXT_VMA,
+        query_addr: at,
+        ..ProcmapQuery::default()
+    };
+    if let Some(name) = name {
+        query.vma_name_size = name.len() as u32;
+        query.vma_name_addr = name.as_mut_ptr() as u64;
+    }
+    // SAFETY: the ioctl reads and writes `query`, and writes at most
+    // `vma_name_size` bytes at `vma_name_addr`, a live buffer.
+    if unsafe { libc::ioctl(fd, PROCMAP_QUERY, &mut query) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(query)
+}
+
+/// `[stack]`, `[vdso]`, `[vvar]` and the like, but not the heap or a
+/// named anonymous mapping.
+fn is_special_name(name: &[u8]) -> bool {
+    name.starts_with(b"[") && !name.starts_with(b"[heap]") && !name.starts_with(b"[anon")
+}
+
 /// Parses `text` into `into`; the count, or `None` if there are more
 /// mappings than `into` holds or a line is not a mapping's.
 pub fn parse(text: &[u8], into: &mut [Mapping]) -> Option<usize> {
@@ -106,8 +219,7 @@ fn parse_line(line: &[u8]) -> Option<Mapping> {
     let dash = range.iter().position(|&b| b == b'-')?;
     let (major, minor) = dev.split_at(dev.iter().position(|&b| b == b':')?);
     let flag = |i: usize, c: u8, bit: i32| if perms.get(i) == Some(&c) { bit } else { 0 };
-    let special =
-        path.starts_with(b"[") && !path.starts_with(b"[heap]") && !path.starts_with(b"[anon");
+    let special = is_special_name(path);
     Some(Mapping {
         start: hex(&range[..dash])?,
         end: hex(&range[dash + 1..])?,
@@ -164,5 +276,44 @@ mod tests {
         assert!(into[4].is_special());
         let mut small = [Mapping::default(); 2];
         assert_eq!(parse(text, &mut small), None);
+    }
+
+    #[test]
+    fn the_query_reads_what_the_text_says() {
+        let maps = std::fs::File::open("/proc/self/maps").unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&maps);
+        if !can_query(fd) {
+            eprintln!("SKIPPED: this kernel has no PROCMAP_QUERY (6.11 and later)");
+            return;
+        }
+        // Other tests' threads map and unmap meanwhile: read both until
+        // two turns agree.
+        for _ in 0..20 {
+            let text = std::fs::read("/proc/self/maps").unwrap();
+            let mut parsed = vec![Mapping::default(); 4096];
+            let count = parse(&text, &mut parsed).unwrap();
+            let mut queried = vec![Mapping::default(); 4096];
+            let found = query(fd, &mut queried).unwrap().unwrap();
+            let again = std::fs::read("/proc/self/maps").unwrap();
+            if text != again {
+                continue;
+            }
+            // The vsyscall page is the text's alone.
+            let parsed: Vec<Mapping> = parsed[..count]
+                .iter()
+                .copied()
+                .filter(|m| m.start < 0xffff_8000_0000_0000)
+                .collect();
+            assert_eq!(parsed, queried[..found].to_vec());
+            assert!(
+                parsed.iter().any(|m| m.special),
+                "[stack] or [vdso] is special"
+            );
+            assert!(parsed.iter().any(|m| m.inode != 0 && m.offset != 0));
+            let mut small = [Mapping::default(); 2];
+            assert_eq!(query(fd, &mut small).unwrap(), None);
+            return;
+        }
+        panic!("the mappings never held still long enough to compare");
     }
 }

@@ -137,6 +137,9 @@ pub struct Restored {
 pub struct Snapshot {
     keep: *mut Keep,
     scan: Scan,
+    /// An open `/proc/self/maps` that answers `PROCMAP_QUERY`, where the
+    /// kernel has it (else the text is read and parsed).
+    query: Option<RawFd>,
 }
 
 /// How written pages are found.
@@ -155,13 +158,14 @@ impl Snapshot {
     pub fn prepare() -> Result<Snapshot, MemoryError> {
         let keep = reserve_keep()?;
         let scan = open_scan()?;
+        let query = open_query()?;
         // SAFETY: memfd_create with a static name.
-        let memfd = unsafe {
+        let memfd = crate::fds::out_of_the_way(unsafe {
             libc::memfd_create(
                 c"fluksio-reset".as_ptr(),
                 libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
             )
-        };
+        });
         if memfd < 0 {
             return Err(os_error("memfd_create"));
         }
@@ -170,7 +174,7 @@ impl Snapshot {
             (*keep).memfd = memfd;
             (*keep).memfd_inode = inode_of(memfd);
         }
-        Ok(Snapshot { keep, scan })
+        Ok(Snapshot { keep, scan, query })
     }
 
     /// Takes the snapshot. This process must have one thread, and nothing
@@ -182,7 +186,7 @@ impl Snapshot {
         let _blocked = BlockedSignals::new();
         // SAFETY: Keep lives as long as the process, used by this thread.
         let k = unsafe { &mut *keep };
-        read_maps(k, false)?;
+        read_maps(k, self.query, false)?;
         // Which mappings to keep, and where each goes in the memfd.
         let mut size = 0;
         k.regions = 0;
@@ -261,7 +265,7 @@ impl Snapshot {
         k.view = view as usize;
         // SAFETY: brk(0) reads the break.
         k.brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as usize;
-        read_maps(k, true)?;
+        read_maps(k, self.query, true)?;
         protect_keep(keep, libc::PROT_READ);
         Ok(())
     }
@@ -288,7 +292,7 @@ impl Snapshot {
         // back (and its region is mapped again below).
         // SAFETY: brk to an address this process's heap had.
         unsafe { libc::syscall(libc::SYS_brk, k.brk) };
-        read_maps(k, false)?;
+        read_maps(k, self.query, false)?;
         // Mappings the call made, or changed: gone. A snapshot region among
         // them is mapped again whole below; any other mapping the snapshot
         // had (code, read-only data, a shared mapping) cannot be put back.
@@ -625,12 +629,12 @@ fn pages_in(
 /// pagemap file.
 fn open_scan() -> Result<Scan, MemoryError> {
     // SAFETY: open with a static path.
-    let fd = unsafe {
+    let fd = crate::fds::out_of_the_way(unsafe {
         libc::open(
             c"/proc/self/pagemap".as_ptr(),
             libc::O_RDONLY | libc::O_CLOEXEC,
         )
-    };
+    });
     if fd < 0 {
         return Err(os_error("opening /proc/self/pagemap"));
     }
@@ -704,9 +708,37 @@ fn reserve_keep() -> Result<*mut Keep, MemoryError> {
     Ok(at.cast())
 }
 
-/// Reads `/proc/self/maps` into `k.now` (and, `as_layout`, into
-/// `k.laid_out` too), with no allocation.
-fn read_maps(k: &mut Keep, as_layout: bool) -> Result<(), MemoryError> {
+/// `/proc/self/maps`, open, where it answers `PROCMAP_QUERY`.
+fn open_query() -> Result<Option<RawFd>, MemoryError> {
+    // SAFETY: open with a static path.
+    let fd = crate::fds::out_of_the_way(unsafe {
+        libc::open(
+            c"/proc/self/maps".as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    });
+    if fd < 0 {
+        return Err(os_error("opening /proc/self/maps"));
+    }
+    if maps::can_query(fd) {
+        return Ok(Some(fd));
+    }
+    // SAFETY: closing our fd.
+    unsafe { libc::close(fd) };
+    Ok(None)
+}
+
+/// Reads this process's mappings into `k.now` (and, `as_layout`, into
+/// `k.laid_out` too), with no allocation: by `query` where there is one,
+/// else from the text of `/proc/self/maps`.
+fn read_maps(k: &mut Keep, query: Option<RawFd>, as_layout: bool) -> Result<(), MemoryError> {
+    if let Some(fd) = query {
+        let count = maps::query(fd, &mut k.now)
+            .map_err(|e| MemoryError(format!("reading the mappings: {e}")))?
+            .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
+        k.set_current(count, as_layout);
+        return Ok(());
+    }
     // SAFETY: open with a static path.
     let fd = unsafe {
         libc::open(
@@ -746,12 +778,20 @@ fn read_maps(k: &mut Keep, as_layout: bool) -> Result<(), MemoryError> {
     unsafe { libc::close(fd) };
     let count = maps::parse(&k.maps_text[..length], &mut k.now)
         .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
-    k.current = count;
-    if as_layout {
-        k.laid_out[..count].copy_from_slice(&k.now[..count]);
-        k.layout = count;
-    }
+    k.set_current(count, as_layout);
     Ok(())
+}
+
+impl Keep {
+    /// The first `count` of `now` are the mappings read; `as_layout`, the
+    /// snapshot's layout too.
+    fn set_current(&mut self, count: usize, as_layout: bool) {
+        self.current = count;
+        if as_layout {
+            self.laid_out[..count].copy_from_slice(&self.now[..count]);
+            self.layout = count;
+        }
+    }
 }
 
 /// Every signal blocked while memory is copied or put back: a handler

@@ -19,7 +19,7 @@
 //! pipe) and are read together.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
 use pyo3::prelude::*;
 
@@ -431,6 +431,9 @@ pub(super) fn serve_in_turn(
     reply_fd: RawFd,
     logs: &LogBuffer,
 ) -> ! {
+    // SAFETY: the control socket, whose fd this process holds alone.
+    let control =
+        unsafe { OwnedFd::from_raw_fd(crate::fds::out_of_the_way(control.into_raw_fd())) };
     if RESET.load(std::sync::atomic::Ordering::Relaxed) {
         serve_resetting(py, first, function, control, reply_fd, logs)
     }
