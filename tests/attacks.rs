@@ -99,7 +99,8 @@ fn victim(release: &std::path::Path) -> String {
 /// `reset` also what puts its own process back (PROTOCOL-NOTES): its
 /// control socket to the zygote, whose word is checked from outside
 /// (`tests/reset.rs` forges it), the pagemap, its own maps (read-only,
-/// queried for its mappings), the sealed snapshot (its
+/// queried for its mappings), its own `/proc/PID` (a path, where its
+/// state is read from), the sealed snapshot (its
 /// view read-only), and its own reply pipe's second fd.
 fn assert_reached_nothing(found: &Value, isolation: &str) {
     let reset = isolation == "reset";
@@ -141,6 +142,9 @@ fn assert_reached_nothing(found: &Value, isolation: &str) {
             && (target.starts_with("socket:")
                 || target.ends_with("/pagemap")
                 || target.ends_with("/maps")
+                || target
+                    .strip_prefix("/proc/")
+                    .is_some_and(|pid| pid.parse::<u32>().is_ok())
                 || target.starts_with("/memfd:fluksio-reset"))
     };
     let extra: Vec<&str> = fds

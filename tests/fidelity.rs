@@ -59,8 +59,12 @@ fn outcomes(mut command: Command, what: &str) -> BTreeMap<String, String> {
 fn cpython_and_numpy_suites_end_the_same_in_a_node_as_under_python3() {
     let node = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fidelity/suites.py");
     let args = selection().to_string();
+    // Each run in a directory of its own: some suites make fixed names in
+    // the working directory (test_os's `base`), and the two run at once.
+    let dir = common::scratch("fidelity-node");
     let mut command = Command::new(common::ZYGOTE);
     command.arg("run").arg(&node).arg("--kwargs").arg(&args);
+    command.current_dir(&dir);
     compare_with_python3(&node, &args, || outcomes(command, "the node"));
 }
 
@@ -78,6 +82,7 @@ fn the_suites_end_the_same_in_a_child_put_back_after_an_earlier_call() {
         let output = Command::new(common::ZYGOTE)
             .args(["sweep", node.to_str().unwrap(), "--input"])
             .arg(&input)
+            .current_dir(&dir)
             .args(["-j", "1", "--isolation", "reset"])
             .env("RUST_LOG", "info")
             .stdin(std::process::Stdio::null())
@@ -105,10 +110,11 @@ fn the_suites_end_the_same_in_a_child_put_back_after_an_earlier_call() {
 /// Runs the suites under python3 beside `ours`, and compares test for test.
 fn compare_with_python3(node: &Path, args: &str, ours: impl FnOnce() -> BTreeMap<String, String>) {
     let python = common::python();
+    let dir = common::scratch("fidelity-python3");
     let (reference, ours) = std::thread::scope(|scope| {
         let reference = scope.spawn(|| {
             let mut command = Command::new(&python);
-            command.arg(node).arg(args);
+            command.arg(node).arg(args).current_dir(&dir);
             outcomes(command, "python3")
         });
         let ours = ours();

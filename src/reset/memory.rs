@@ -628,16 +628,7 @@ fn pages_in(
 /// `PAGEMAP_SCAN` where the kernel has it (6.7 and later), else the
 /// pagemap file.
 fn open_scan() -> Result<Scan, MemoryError> {
-    // SAFETY: open with a static path.
-    let fd = crate::fds::out_of_the_way(unsafe {
-        libc::open(
-            c"/proc/self/pagemap".as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    });
-    if fd < 0 {
-        return Err(os_error("opening /proc/self/pagemap"));
-    }
+    let fd = crate::fds::out_of_the_way(open_read_only(c"/proc/self/pagemap")?);
     let mut probe = [PageRegion::default(); 1];
     let mut arg = PmScanArg {
         size: std::mem::size_of::<PmScanArg>() as u64,
@@ -708,18 +699,19 @@ fn reserve_keep() -> Result<*mut Keep, MemoryError> {
     Ok(at.cast())
 }
 
+/// `path` opened to read, close-on-exec (no allocation but a failure's).
+fn open_read_only(path: &std::ffi::CStr) -> Result<RawFd, MemoryError> {
+    // SAFETY: open with a NUL-terminated path.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(os_error(&format!("opening {}", path.to_string_lossy())));
+    }
+    Ok(fd)
+}
+
 /// `/proc/self/maps`, open, where it answers `PROCMAP_QUERY`.
 fn open_query() -> Result<Option<RawFd>, MemoryError> {
-    // SAFETY: open with a static path.
-    let fd = crate::fds::out_of_the_way(unsafe {
-        libc::open(
-            c"/proc/self/maps".as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    });
-    if fd < 0 {
-        return Err(os_error("opening /proc/self/maps"));
-    }
+    let fd = crate::fds::out_of_the_way(open_read_only(c"/proc/self/maps")?);
     if maps::can_query(fd) {
         return Ok(Some(fd));
     }
@@ -739,16 +731,7 @@ fn read_maps(k: &mut Keep, query: Option<RawFd>, as_layout: bool) -> Result<(), 
         k.set_current(count, as_layout);
         return Ok(());
     }
-    // SAFETY: open with a static path.
-    let fd = unsafe {
-        libc::open(
-            c"/proc/self/maps".as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(os_error("opening /proc/self/maps"));
-    }
+    let fd = open_read_only(c"/proc/self/maps")?;
     let mut length = 0;
     loop {
         // SAFETY: reads into Keep's buffer, within its bounds.

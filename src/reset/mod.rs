@@ -37,6 +37,7 @@ impl Reset {
         if threads() != 1 {
             return Err("the process runs more than one thread".into());
         }
+        state::open_proc_self();
         let mut snapshot = Snapshot::prepare().map_err(|e| e.to_string())?;
         let baseline = State::read();
         snapshot.take().map_err(|e| e.to_string())?;

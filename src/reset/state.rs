@@ -126,11 +126,52 @@ fn shorten(text: &str) -> String {
     format!("{}…", &text[..cut])
 }
 
+/// This process's `/proc/self`, open (`-1` until [`open_proc_self`]): the
+/// paths below it are then looked up from it, not walked from `/` again
+/// for each of the ~40 items read after every call.
+static PROC_SELF: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// Opens `/proc/self` for the reads of this process's state from here on.
+/// Call before the first [`State::read`] whose fds are compared: its fd is
+/// one of them.
+pub fn open_proc_self() {
+    // SAFETY: open with a static path.
+    let fd = unsafe {
+        libc::open(
+            c"/proc/self".as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if fd >= 0 {
+        let fd = crate::fds::out_of_the_way(fd);
+        let before = PROC_SELF.swap(fd, std::sync::atomic::Ordering::Relaxed);
+        if before >= 0 {
+            // SAFETY: the one this replaces, ours alone.
+            unsafe { libc::close(before) };
+        }
+    }
+}
+
+/// `path` below `/proc/self`: the directory's fd and the rest of the path,
+/// where it is open; else `AT_FDCWD` and the whole path.
+fn at(path: &std::ffi::CStr) -> (libc::c_int, &std::ffi::CStr) {
+    let fd = PROC_SELF.load(std::sync::atomic::Ordering::Relaxed);
+    let below = path
+        .to_bytes_with_nul()
+        .strip_prefix(b"/proc/self/")
+        .and_then(|rest| std::ffi::CStr::from_bytes_with_nul(rest).ok());
+    match below {
+        Some(rest) if fd >= 0 => (fd, rest),
+        _ => (libc::AT_FDCWD, path),
+    }
+}
+
 /// Appends a file's content to `into` (lossy UTF-8), or why it could not be
 /// read.
 fn read_into(path: &std::ffi::CStr, into: &mut String) {
-    // SAFETY: open with a NUL-terminated path.
-    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    let (dir, path) = at(path);
+    // SAFETY: openat with a NUL-terminated path.
+    let fd = unsafe { libc::openat(dir, path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
     if fd < 0 {
         let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
         return;
@@ -176,8 +217,10 @@ fn push_joined<'a>(
 /// Appends where a link points to `into`, nothing if it is gone.
 fn link_into(path: &std::ffi::CStr, into: &mut String) -> bool {
     let mut buffer = [0u8; libc::PATH_MAX as usize];
-    // SAFETY: readlink into a local buffer, within its length.
-    let n = unsafe { libc::readlink(path.as_ptr(), buffer.as_mut_ptr().cast(), buffer.len()) };
+    let (dir, path) = at(path);
+    // SAFETY: readlinkat into a local buffer, within its length.
+    let n =
+        unsafe { libc::readlinkat(dir, path.as_ptr(), buffer.as_mut_ptr().cast(), buffer.len()) };
     if n < 0 {
         return false;
     }
@@ -509,6 +552,21 @@ fn scheduling(state: &mut State) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paths_below_proc_self_are_read_through_its_open_directory() {
+        open_proc_self();
+        let (dir, rest) = at(c"/proc/self/status");
+        assert!(dir >= 0 && rest == c"status");
+        assert_eq!(at(c"/proc/locks").1, c"/proc/locks");
+        let mut status = String::new();
+        read_into(c"/proc/self/status", &mut status);
+        let pid = format!("\nPid:\t{}\n", std::process::id());
+        assert!(status.contains(&pid), "{status}");
+        let mut cwd = String::new();
+        assert!(link_into(c"/proc/self/cwd", &mut cwd));
+        assert_eq!(std::path::Path::new(&cwd), std::env::current_dir().unwrap());
+    }
 
     #[test]
     fn a_change_is_read_and_named() {
