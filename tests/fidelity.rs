@@ -65,7 +65,7 @@ fn cpython_and_numpy_suites_end_the_same_in_a_node_as_under_python3() {
     let mut command = Command::new(common::ZYGOTE);
     command.arg("run").arg(&node).arg("--kwargs").arg(&args);
     command.current_dir(&dir);
-    compare_with_python3(&node, &args, || outcomes(command, "the node"));
+    compare_with_python3(&node, &args, "node", || outcomes(command, "the node"));
 }
 
 /// Under `--isolation reset`, in a child put back after an earlier call
@@ -104,13 +104,20 @@ fn the_suites_end_the_same_in_a_child_put_back_after_an_earlier_call() {
             .unwrap_or_else(|| panic!("no second point: {stdout}\n{stderr}"));
         serde_json::from_value(second["result"].clone()).expect("the outcomes")
     };
-    compare_with_python3(&node, &args, ours);
+    compare_with_python3(&node, &args, "reset", ours);
 }
 
 /// Runs the suites under python3 beside `ours`, and compares test for test.
-fn compare_with_python3(node: &Path, args: &str, ours: impl FnOnce() -> BTreeMap<String, String>) {
+/// python3 runs in a directory of its own, named for `test` (the tests of
+/// this file may run at once, in one process).
+fn compare_with_python3(
+    node: &Path,
+    args: &str,
+    test: &str,
+    ours: impl FnOnce() -> BTreeMap<String, String>,
+) {
     let python = common::python();
-    let dir = common::scratch("fidelity-python3");
+    let dir = common::scratch(&format!("fidelity-python3-{test}"));
     let (reference, ours) = std::thread::scope(|scope| {
         let reference = scope.spawn(|| {
             let mut command = Command::new(&python);
