@@ -287,12 +287,13 @@ mod tests {
             return;
         }
         // Other tests' threads map and unmap meanwhile: read both until
-        // two turns agree.
+        // two turns agree. (Allocated first: a large allocation is a
+        // mapping of its own.)
+        let mut parsed = vec![Mapping::default(); 4096];
+        let mut queried = vec![Mapping::default(); 4096];
         for _ in 0..20 {
             let text = std::fs::read("/proc/self/maps").unwrap();
-            let mut parsed = vec![Mapping::default(); 4096];
             let count = parse(&text, &mut parsed).unwrap();
-            let mut queried = vec![Mapping::default(); 4096];
             let found = query(fd, &mut queried).unwrap().unwrap();
             let again = std::fs::read("/proc/self/maps").unwrap();
             if text != again {
