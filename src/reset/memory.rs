@@ -628,7 +628,7 @@ fn pages_in(
 /// `PAGEMAP_SCAN` where the kernel has it (6.7 and later), else the
 /// pagemap file.
 fn open_scan() -> Result<Scan, MemoryError> {
-    let fd = crate::fds::out_of_the_way(open_read_only(c"/proc/self/pagemap")?);
+    let fd = open_kept(c"/proc/self/pagemap")?;
     let mut probe = [PageRegion::default(); 1];
     let mut arg = PmScanArg {
         size: std::mem::size_of::<PmScanArg>() as u64,
@@ -709,9 +709,15 @@ fn open_read_only(path: &std::ffi::CStr) -> Result<RawFd, MemoryError> {
     Ok(fd)
 }
 
+/// `path` opened to read for the snapshot's life: above the fds node code
+/// opens at ([`crate::fds::out_of_the_way`]).
+fn open_kept(path: &std::ffi::CStr) -> Result<RawFd, MemoryError> {
+    open_read_only(path).map(crate::fds::out_of_the_way)
+}
+
 /// `/proc/self/maps`, open, where it answers `PROCMAP_QUERY`.
 fn open_query() -> Result<Option<RawFd>, MemoryError> {
-    let fd = crate::fds::out_of_the_way(open_read_only(c"/proc/self/maps")?);
+    let fd = open_kept(c"/proc/self/maps")?;
     if maps::can_query(fd) {
         return Ok(Some(fd));
     }
