@@ -99,9 +99,10 @@ fn victim(release: &std::path::Path) -> String {
 /// `reset` also what puts its own process back (PROTOCOL-NOTES): its
 /// control socket to the zygote, whose word is checked from outside
 /// (`tests/reset.rs` forges it), the pagemap, its own maps (read-only,
-/// queried for its mappings), its own `/proc/PID` (a path, where its
-/// state is read from), the sealed snapshot (its
-/// view read-only), and its own reply pipe's second fd.
+/// queried for its mappings), its own `/proc/PID` and the files below it
+/// its state is read from after each call (read-only; `/proc/locks` and
+/// its cell's `cgroup.procs` too), the sealed snapshot (its view
+/// read-only), and its own reply pipe's second fd.
 fn assert_reached_nothing(found: &Value, isolation: &str) {
     let reset = isolation == "reset";
     assert_eq!(
@@ -144,13 +145,34 @@ fn assert_reached_nothing(found: &Value, isolation: &str) {
         .filter_map(|t| t.as_str()?.strip_suffix("/pagemap")?.strip_prefix("/proc/"))
         .next()
         .unwrap_or("");
+    // What the put-back reads after each call, kept open (`reset::pinned`):
+    // its own files below /proc/PID, read-only.
+    let children = format!("/task/{own}/children");
+    let own_proc = [
+        "",
+        "/pagemap",
+        "/maps",
+        "/fd",
+        "/ns",
+        "/task",
+        "/status",
+        "/environ",
+        "/cmdline",
+        "/comm",
+        "/timers",
+        "/cgroup",
+        "/oom_score_adj",
+        &children,
+    ];
     let reset_own = |target: &str| {
         reset
             && (target.starts_with("socket:")
                 || target
                     .strip_prefix("/proc/")
                     .and_then(|rest| rest.strip_prefix(own))
-                    .is_some_and(|rest| ["", "/pagemap", "/maps"].contains(&rest))
+                    .is_some_and(|rest| own_proc.contains(&rest))
+                || target == "/proc/locks"
+                || (target.starts_with("/sys/fs/cgroup/") && target.ends_with("/cgroup.procs"))
                 || target.starts_with("/memfd:fluksio-reset"))
     };
     let extra: Vec<&str> = fds

@@ -439,6 +439,120 @@ def process(role, secret=None, id=None):
     }
 }
 
+/// A call that puts files of its own at the numbers of the fds the runtime
+/// keeps open for the put-back (`os.dup2`, no native code): a directory it
+/// made, mirroring `/proc/self` as it was, in place of `/proc/self`, a copy
+/// of each file in place of that file. Through them every check of the
+/// state would read what it was before the call, while the call changed
+/// its working directory and umask and left an fd open. The child that
+/// ran it is retired, and no call after it sees any of it.
+#[test]
+fn a_call_that_puts_its_own_files_at_the_runtimes_kept_fds_is_retired() {
+    let dir = common::scratch("reset-kept-fds");
+    let source = format!(
+        r#"import os, shutil, stat, tempfile
+WORK = {work:?}
+def copy_tree(src, dst):
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        try:
+            if os.path.islink(path) or name in ("fd", "ns", "cwd", "root", "exe"):
+                os.symlink(os.readlink(path), os.path.join(dst, name))
+            elif os.path.isdir(path):
+                continue
+            else:
+                with open(path, "rb") as f, open(os.path.join(dst, name), "wb") as out:
+                    out.write(f.read())
+        except OSError:
+            pass
+def mirror_of(target, fake):
+    if os.path.isdir(target):
+        copy_tree(target, fake)
+        pid = os.getpid()
+        for sub in ("fd", "fdinfo", "ns"):
+            if os.path.isdir(os.path.join(target, sub)):
+                copy_tree(os.path.join(target, sub), os.path.join(fake, sub))
+        children = f"{{target}}/task/{{pid}}/children"
+        if os.path.exists(children):
+            os.makedirs(f"{{fake}}/task/{{pid}}", exist_ok=True)
+            shutil.copyfile(children, f"{{fake}}/task/{{pid}}/children")
+        return os.open(fake, os.O_RDONLY | os.O_DIRECTORY)
+    if target.startswith("/memfd:"):
+        return os.memfd_create(target[len("/memfd:"):].split(" ")[0])
+    with open(fake, "wb") as out:
+        try:
+            with open(target, "rb") as f:
+                out.write(f.read(1 << 20))
+        except OSError:
+            pass
+    return os.open(fake, os.O_RDONLY)
+def process(act):
+    um = os.umask(0); os.umask(um)
+    fds = {{}}
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(n)] = os.readlink(f"/proc/self/fd/{{n}}")
+        except OSError:
+            pass
+    kept = [n for n, target in sorted(fds.items())
+            if n >= 100 and not target.startswith(("socket:", "pipe:"))]
+    if act == "look":
+        return [os.getpid(), {{"cwd": os.getcwd(), "umask": um, "kept": kept,
+                               "fds": sorted(fds.values())}}]
+    n = kept[act]
+    target = fds[n]
+    made = mirror_of(target, tempfile.mktemp(dir=WORK))
+    os.dup2(made, n, inheritable=False)
+    os.close(made)
+    left = os.open(WORK, os.O_RDONLY)
+    os.chdir(WORK)
+    os.umask(0o077)
+    return [os.getpid(), target]
+"#,
+        work = dir.display().to_string()
+    );
+    let mut worker = reset_worker();
+    let look = |worker: &mut Worker, id: i64| {
+        served(
+            &worker
+                .call(&run(id, "n", &source, json!({"act": "look"})))
+                .reply,
+        )
+    };
+    let (_, before) = look(&mut worker, 0);
+    let kept = before["kept"].as_array().unwrap().len();
+    assert!(
+        kept >= 4,
+        "the runtime keeps fds for the put-back: {before}"
+    );
+    let mut id = 1;
+    // One at a time: each alone must give the call away.
+    for which in 0..kept {
+        id += 1;
+        let (forger, target) = served(
+            &worker
+                .call(&run(id, "n", &source, json!({"act": which})))
+                .reply,
+        );
+        for _ in 0..3 {
+            id += 1;
+            let (pid, seen) = look(&mut worker, id);
+            assert_ne!(
+                pid, forger,
+                "{target}: the child that swapped it was retired"
+            );
+            assert_eq!(seen["cwd"], before["cwd"], "{target}: {seen}");
+            assert_eq!(seen["umask"], before["umask"], "{target}: {seen}");
+            let work = dir.display().to_string();
+            assert!(
+                !seen["fds"].to_string().contains(&work),
+                "{target}: no fd of the call's is left: {seen}"
+            );
+        }
+    }
+}
+
 /// A call that writes a reply of its own down its pipe, then returns: its
 /// real reply comes after the one it forged, where the runtime no longer
 /// reads it as this call's. It must not be read as the next call's either:

@@ -23,6 +23,7 @@
 use std::os::fd::RawFd;
 
 use super::maps::{self, Mapping};
+use super::pinned::Pinned;
 
 /// Private writable mappings a snapshot holds at most.
 const MAX_REGIONS: usize = 16 * 1024;
@@ -140,6 +141,9 @@ pub struct Snapshot {
     /// An open `/proc/self/maps` that answers `PROCMAP_QUERY`, where the
     /// kernel has it (else the text is read and parsed).
     query: Option<RawFd>,
+    /// The fds of the three, checked before each restore: a call can put
+    /// a file of its own at their numbers.
+    kept: Vec<Pinned>,
 }
 
 /// How written pages are found.
@@ -157,24 +161,33 @@ impl Snapshot {
     /// read with them open.
     pub fn prepare() -> Result<Snapshot, MemoryError> {
         let keep = reserve_keep()?;
-        let scan = open_scan()?;
-        let query = open_query()?;
+        let mut kept = Vec::with_capacity(3);
+        let scan = open_scan(&mut kept)?;
+        let query = open_query(&mut kept)?;
         // SAFETY: memfd_create with a static name.
-        let memfd = crate::fds::out_of_the_way(unsafe {
+        let memfd = unsafe {
             libc::memfd_create(
                 c"fluksio-reset".as_ptr(),
                 libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
             )
-        });
+        };
         if memfd < 0 {
             return Err(os_error("memfd_create"));
         }
+        let memfd = Pinned::adopt(memfd, "the snapshot's memfd")
+            .map_err(|e| MemoryError(format!("memfd_create: {e}")))?;
         // SAFETY: a fresh mapping, zeroed, the size of Keep.
         unsafe {
-            (*keep).memfd = memfd;
-            (*keep).memfd_inode = inode_of(memfd);
+            (*keep).memfd = memfd.number();
+            (*keep).memfd_inode = inode_of(memfd.number());
         }
-        Ok(Snapshot { keep, scan, query })
+        kept.push(memfd);
+        Ok(Snapshot {
+            keep,
+            scan,
+            query,
+            kept,
+        })
     }
 
     /// Takes the snapshot. This process must have one thread, and nothing
@@ -270,6 +283,11 @@ impl Snapshot {
         Ok(())
     }
 
+    /// The fds it keeps open.
+    pub fn kept(&self) -> impl Iterator<Item = &Pinned> {
+        self.kept.iter()
+    }
+
     /// Bytes the snapshot holds (its memfd's size).
     pub fn size(&self) -> usize {
         // SAFETY: Keep lives as long as the process.
@@ -283,6 +301,10 @@ impl Snapshot {
     /// data unmapped, remapped or made writable) cannot be put back: the
     /// error says which.
     pub fn restore(&self) -> Result<Restored, MemoryError> {
+        for kept in &self.kept {
+            kept.fd()
+                .map_err(|replaced| MemoryError(replaced.to_string()))?;
+        }
         let _blocked = BlockedSignals::new();
         let _writable = KeepWritable::new(self.keep);
         // SAFETY: Keep lives as long as the process, used by this thread.
@@ -627,8 +649,8 @@ fn pages_in(
 
 /// `PAGEMAP_SCAN` where the kernel has it (6.7 and later), else the
 /// pagemap file.
-fn open_scan() -> Result<Scan, MemoryError> {
-    let fd = open_kept(c"/proc/self/pagemap")?;
+fn open_scan(kept: &mut Vec<Pinned>) -> Result<Scan, MemoryError> {
+    let fd = open_kept(c"/proc/self/pagemap", kept)?;
     let mut probe = [PageRegion::default(); 1];
     let mut arg = PmScanArg {
         size: std::mem::size_of::<PmScanArg>() as u64,
@@ -709,20 +731,22 @@ fn open_read_only(path: &std::ffi::CStr) -> Result<RawFd, MemoryError> {
     Ok(fd)
 }
 
-/// `path` opened to read for the snapshot's life: above the fds node code
-/// opens at ([`crate::fds::out_of_the_way`]).
-fn open_kept(path: &std::ffi::CStr) -> Result<RawFd, MemoryError> {
-    open_read_only(path).map(crate::fds::out_of_the_way)
+/// `path` opened to read for the snapshot's life (pinned, into `kept`).
+fn open_kept(path: &'static std::ffi::CStr, kept: &mut Vec<Pinned>) -> Result<RawFd, MemoryError> {
+    let pinned = Pinned::open(None, path, libc::O_RDONLY)
+        .map_err(|e| MemoryError(format!("opening {}: {e}", path.to_string_lossy())))?;
+    let fd = pinned.number();
+    kept.push(pinned);
+    Ok(fd)
 }
 
 /// `/proc/self/maps`, open, where it answers `PROCMAP_QUERY`.
-fn open_query() -> Result<Option<RawFd>, MemoryError> {
-    let fd = open_kept(c"/proc/self/maps")?;
+fn open_query(kept: &mut Vec<Pinned>) -> Result<Option<RawFd>, MemoryError> {
+    let fd = open_kept(c"/proc/self/maps", kept)?;
     if maps::can_query(fd) {
         return Ok(Some(fd));
     }
-    // SAFETY: closing our fd.
-    unsafe { libc::close(fd) };
+    kept.pop();
     Ok(None)
 }
 

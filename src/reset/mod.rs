@@ -17,31 +17,43 @@
 
 pub mod maps;
 pub mod memory;
+pub mod pinned;
 pub mod state;
 
 use std::time::Duration;
 
 use memory::{Restored, Snapshot};
+use pinned::{Pinned, ProcSelf};
 use state::State;
 
 /// A resident's snapshot, and what the rest of the process was then.
 pub struct Reset {
     snapshot: Snapshot,
     baseline: State,
+    proc: ProcSelf,
+    /// Its cell's `cgroup.procs`, where cells are cgroups.
+    cell: Option<Pinned>,
 }
 
 impl Reset {
     /// Takes the snapshot, here and now: nothing of a call may be in this
     /// process's memory. One thread only.
     pub fn take() -> Result<Reset, String> {
-        if threads() != 1 {
+        let proc = ProcSelf::open().map_err(|e| format!("opening /proc/self: {e}"))?;
+        if threads(&proc) != Some(1) {
             return Err("the process runs more than one thread".into());
         }
-        state::open_proc_self();
-        let mut snapshot = Snapshot::prepare().map_err(|e| e.to_string())?;
-        let baseline = State::read();
-        snapshot.take().map_err(|e| e.to_string())?;
-        Ok(Reset { snapshot, baseline })
+        let cell = open_cell().map_err(|e| format!("opening its cell's cgroup.procs: {e}"))?;
+        let snapshot = Snapshot::prepare().map_err(|e| e.to_string())?;
+        let mut reset = Reset {
+            baseline: State::default(),
+            snapshot,
+            proc,
+            cell,
+        };
+        reset.baseline = reset.state();
+        reset.snapshot.take().map_err(|e| e.to_string())?;
+        Ok(reset)
     }
 
     /// Bytes the snapshot holds.
@@ -58,55 +70,105 @@ impl Reset {
     /// back, the rest compared. `Err`: why this process can serve no more
     /// calls (its memory may be the call's).
     pub fn after_call(&self) -> Result<Restored, String> {
-        end_what_the_call_started()?;
-        if threads() != 1 {
+        self.end_what_the_call_started()?;
+        if threads(&self.proc) != Some(1) {
             return Err("a thread the call started is still running".into());
         }
         let restored = self.snapshot.restore().map_err(|e| e.to_string())?;
-        match State::read().changed_from(&self.baseline) {
+        match self.state().changed_from(&self.baseline) {
             Some(change) => Err(change),
             None => Ok(restored),
         }
     }
+
+    /// The state now, every fd this keeps open among it.
+    fn state(&self) -> State {
+        let mut kept: Vec<&Pinned> = self.proc.all().to_vec();
+        kept.extend(self.snapshot.kept());
+        kept.extend(&self.cell);
+        State::read(&self.proc, &kept)
+    }
+
+    /// Kills every process the call started and reaps what is this
+    /// process's: its descendants (a daemon that left its session comes
+    /// back to this subreaper), and whoever else is in its cell's cgroup.
+    fn end_what_the_call_started(&self) -> Result<(), String> {
+        let me = std::process::id() as i32;
+        let started = std::time::Instant::now();
+        loop {
+            reap_all();
+            // Most calls start none: one system call says so.
+            let mut others = if has_children() {
+                descendants(me)
+            } else {
+                Vec::new()
+            };
+            others.extend(self.cell_members(me)?);
+            if others.is_empty() {
+                return Ok(());
+            }
+            if started.elapsed() > ENDING_WITHIN {
+                return Err(format!(
+                    "processes the call started did not end: {others:?}"
+                ));
+            }
+            for pid in others {
+                // SAFETY: kill with a pid read from /proc: one of ours.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The other processes in this process's cell, where cells are cgroups.
+    fn cell_members(&self, me: i32) -> Result<Vec<i32>, String> {
+        let Some(procs) = &self.cell else {
+            return Ok(Vec::new());
+        };
+        let mut text = Vec::with_capacity(64);
+        procs
+            .read_all(&mut text)
+            .map_err(|e| format!("its cell's members cannot be read: {e}"))?;
+        let others: Vec<i32> = String::from_utf8_lossy(&text)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .filter(|&p| p != me)
+            .collect();
+        Ok(others)
+    }
 }
 
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |tasks| tasks.count())
+/// Threads of this process, as `proc` lists them (`None`: unreadable).
+fn threads(proc: &ProcSelf) -> Option<usize> {
+    let mut names = Vec::with_capacity(64);
+    pinned::list(&proc.tasks, &mut names).ok()?;
+    Some(names.iter().filter(|&&b| b == 0).count())
 }
 
 /// How long the processes a call left are given to go.
 const ENDING_WITHIN: Duration = Duration::from_secs(5);
 
-/// Kills every process the call started and reaps what is this process's:
-/// its descendants (a daemon that left its session comes back to this
-/// subreaper), and whoever else is in its cell's cgroup.
-fn end_what_the_call_started() -> Result<(), String> {
-    let me = std::process::id() as i32;
-    let started = std::time::Instant::now();
-    loop {
-        reap_all();
-        let mut others = descendants(me);
-        others.extend(cell_members(me));
-        if others.is_empty() {
-            return Ok(());
-        }
-        if started.elapsed() > ENDING_WITHIN {
-            return Err(format!(
-                "processes the call started did not end: {others:?}"
-            ));
-        }
-        for pid in others {
-            // SAFETY: kill with a pid read from /proc: one of ours.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        std::thread::sleep(Duration::from_millis(1));
+/// Whether this process has a child, a zombie or one in another thread's
+/// care included: `waitid` with `__WALL` looks at every one.
+fn has_children() -> bool {
+    // SAFETY: waitid into a zeroed siginfo; WNOWAIT leaves any child as
+    // it is.
+    unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        let found = libc::waitid(
+            libc::P_ALL,
+            0,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT | libc::__WALL,
+        );
+        !(found < 0 && *libc::__errno_location() == libc::ECHILD)
     }
 }
 
 fn reap_all() {
     loop {
         // SAFETY: waitpid on any child of ours, without blocking.
-        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
+        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG | libc::__WALL) };
         if pid <= 0 {
             return;
         }
@@ -133,21 +195,19 @@ fn descendants(pid: i32) -> Vec<i32> {
     found
 }
 
-/// The other processes in this process's cell, where cells are cgroups.
-fn cell_members(me: i32) -> Vec<i32> {
+/// This process's cell's `cgroup.procs`, open, where cells are cgroups
+/// (found where the v2 hierarchy is mounted: `/sys/fs/cgroup/unified` on
+/// a hybrid host).
+fn open_cell() -> std::io::Result<Option<Pinned>> {
     if crate::containment::mechanism() != crate::containment::Mechanism::Cgroup {
-        return Vec::new();
+        return Ok(None);
     }
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let Some(path) = cgroup.lines().find_map(|l| l.strip_prefix("0::")) else {
-        return Vec::new();
+    let Some(cell) = crate::containment::cgroup::unified() else {
+        return Ok(None);
     };
-    std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cgroup.procs"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .filter(|&p| p != me)
-        .collect()
+    let procs = std::fs::File::open(cell.own.join("cgroup.procs"))?;
+    let fd = std::os::fd::IntoRawFd::into_raw_fd(procs);
+    Pinned::adopt(fd, "its cell's cgroup.procs").map(Some)
 }
 
 /// Wipes the stack below the caller's frame: what the call's deeper frames

@@ -3,10 +3,17 @@
 //!
 //! Every item is a name and its value as text, so that a change names
 //! itself ("fd 7: absent → /tmp/x pos 0"). PROTOCOL-NOTES lists them.
+//! The files below `/proc/self` are read through fds opened once and
+//! checked before each read ([`super::pinned`]): a call can put its own
+//! file at any fd's number.
 
 use std::collections::BTreeMap;
+use std::ffi::CStr;
 use std::fmt::Write as _;
 use std::ops::Range;
+use std::os::fd::RawFd;
+
+use super::pinned::{self, Pinned, ProcSelf};
 
 /// The process's kernel-held state: every item's name and value, back to
 /// back in one buffer, read with no allocation per item (it is read after
@@ -19,20 +26,22 @@ pub struct State {
 }
 
 impl State {
-    /// Reads it now.
-    pub fn read() -> State {
+    /// Reads it now, through `proc`'s files; `kept` are every fd the
+    /// runtime keeps open across calls (`proc`'s among them), each listed
+    /// as what it was opened on, or as replaced.
+    pub fn read(proc: &ProcSelf, kept: &[&Pinned]) -> State {
         let mut state = State {
             text: String::with_capacity(32 * 1024),
             items: Vec::with_capacity(256),
         };
-        fds(&mut state);
-        tasks(&mut state);
+        fds(&mut state, proc, kept);
+        tasks(&mut state, proc);
         signals(&mut state);
-        places(&mut state);
+        places(&mut state, proc);
         limits(&mut state);
-        status(&mut state);
-        timers(&mut state);
-        identity(&mut state);
+        status(&mut state, proc);
+        timers(&mut state, proc);
+        identity(&mut state, proc);
         scheduling(&mut state);
         state
     }
@@ -93,13 +102,14 @@ impl Item<'_> {
     }
 
     /// The value is a file's content (lossy UTF-8), or why it is unreadable.
-    fn file(self, path: &std::ffi::CStr) {
-        read_into(path, &mut self.state.text);
+    fn file(self, file: &Pinned) {
+        read_into(file, &mut self.state.text);
     }
 
-    /// The value is where a link points, or empty.
-    fn link(self, path: &std::ffi::CStr) {
-        link_into(path, &mut self.state.text);
+    /// The value is where a link below `dir` points, or why it is
+    /// unreadable.
+    fn link(self, dir: &Pinned, path: &CStr) {
+        link_into(dir, path, &mut self.state.text);
     }
 
     fn text(&mut self) -> &mut String {
@@ -126,72 +136,16 @@ fn shorten(text: &str) -> String {
     format!("{}…", &text[..cut])
 }
 
-/// This process's `/proc/self`, open (`-1` until [`open_proc_self`]): the
-/// paths below it are then looked up from it, not walked from `/` again
-/// for each of the ~40 items read after every call.
-static PROC_SELF: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
-
-/// Opens `/proc/self` for the reads of this process's state from here on.
-/// Call before the first [`State::read`] whose fds are compared: its fd is
-/// one of them.
-pub fn open_proc_self() {
-    // SAFETY: open with a static path.
-    let fd = unsafe {
-        libc::open(
-            c"/proc/self".as_ptr(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    };
-    if fd >= 0 {
-        let fd = crate::fds::out_of_the_way(fd);
-        let before = PROC_SELF.swap(fd, std::sync::atomic::Ordering::Relaxed);
-        if before >= 0 {
-            // SAFETY: the one this replaces, ours alone.
-            unsafe { libc::close(before) };
+/// Appends a file's content to `into` (lossy UTF-8), read from its start,
+/// or why it could not be read.
+fn read_into(file: &Pinned, into: &mut String) {
+    let mut bytes = Vec::with_capacity(4096);
+    match file.read_all(&mut bytes) {
+        Ok(()) => into.push_str(&String::from_utf8_lossy(&bytes)),
+        Err(error) => {
+            let _ = write!(into, "unreadable ({error})");
         }
     }
-}
-
-/// `path` below `/proc/self`: the directory's fd and the rest of the path,
-/// where it is open; else `AT_FDCWD` and the whole path.
-fn at(path: &std::ffi::CStr) -> (libc::c_int, &std::ffi::CStr) {
-    let fd = PROC_SELF.load(std::sync::atomic::Ordering::Relaxed);
-    let below = path
-        .to_bytes_with_nul()
-        .strip_prefix(b"/proc/self/")
-        .and_then(|rest| std::ffi::CStr::from_bytes_with_nul(rest).ok());
-    match below {
-        Some(rest) if fd >= 0 => (fd, rest),
-        _ => (libc::AT_FDCWD, path),
-    }
-}
-
-/// Appends a file's content to `into` (lossy UTF-8), or why it could not be
-/// read.
-fn read_into(path: &std::ffi::CStr, into: &mut String) {
-    let (dir, path) = at(path);
-    // SAFETY: openat with a NUL-terminated path.
-    let fd = unsafe { libc::openat(dir, path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
-        return;
-    }
-    let mut bytes = Vec::new();
-    let mut buffer = [0u8; 4096];
-    loop {
-        // SAFETY: reads into a local buffer, within its length.
-        let n = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
-        if n < 0 {
-            let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
-        }
-        if n <= 0 {
-            break;
-        }
-        bytes.extend_from_slice(&buffer[..n as usize]);
-    }
-    // SAFETY: closing our fd.
-    unsafe { libc::close(fd) };
-    into.push_str(&String::from_utf8_lossy(&bytes));
 }
 
 /// Appends `lines` to `text`, `between` each, each line's words separated
@@ -214,10 +168,17 @@ fn push_joined<'a>(
     }
 }
 
-/// Appends where a link points to `into`, nothing if it is gone.
-fn link_into(path: &std::ffi::CStr, into: &mut String) -> bool {
+/// Appends where link `path` below `dir` points to `into`: `false`, and
+/// nothing appended, if it is gone; why, if `dir` is not the runtime's.
+fn link_into(dir: &Pinned, path: &CStr, into: &mut String) -> bool {
+    let dir = match dir.fd() {
+        Ok(fd) => fd,
+        Err(replaced) => {
+            let _ = write!(into, "unreadable ({replaced})");
+            return true;
+        }
+    };
     let mut buffer = [0u8; libc::PATH_MAX as usize];
-    let (dir, path) = at(path);
     // SAFETY: readlinkat into a local buffer, within its length.
     let n =
         unsafe { libc::readlinkat(dir, path.as_ptr(), buffer.as_mut_ptr().cast(), buffer.len()) };
@@ -228,71 +189,56 @@ fn link_into(path: &std::ffi::CStr, into: &mut String) -> bool {
     true
 }
 
-/// A NUL-terminated path, formatted on the stack.
-struct ProcPath {
-    bytes: [u8; 64],
+/// The names `dir` lists, each NUL-terminated, or why they are unreadable.
+fn names_in(dir: &Pinned) -> Result<Vec<u8>, pinned::Replaced> {
+    let mut names = Vec::with_capacity(1024);
+    pinned::list(dir, &mut names)?;
+    Ok(names)
 }
 
-impl ProcPath {
-    fn new(path: std::fmt::Arguments<'_>) -> ProcPath {
-        let mut text = ProcPath { bytes: [0; 64] };
-        let mut cursor = std::io::Cursor::new(&mut text.bytes[..63]);
-        let _ = std::io::Write::write_fmt(&mut cursor, path);
-        text
-    }
-
-    fn as_c_str(&self) -> &std::ffi::CStr {
-        std::ffi::CStr::from_bytes_until_nul(&self.bytes).unwrap_or(c"")
-    }
+fn each_name(names: &[u8]) -> impl Iterator<Item = &CStr> {
+    names
+        .split_inclusive(|&b| b == 0)
+        .filter_map(|name| CStr::from_bytes_with_nul(name).ok())
 }
 
 /// Each open fd: what it is, its offset and its flags, and the locks held.
-fn fds(state: &mut State) {
-    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else {
-        state.add("fds", format_args!("unreadable"));
-        return;
+/// An fd the runtime keeps is what it was opened on, or replaced.
+fn fds(state: &mut State, proc: &ProcSelf, kept: &[&Pinned]) {
+    let names = match names_in(&proc.fds) {
+        Ok(names) => names,
+        Err(replaced) => {
+            state.add("fds", format_args!("unreadable ({replaced})"));
+            return;
+        }
     };
-    let mut numbers: Vec<i32> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+    let mut numbers: Vec<(RawFd, &CStr)> = each_name(&names)
+        .filter_map(|name| Some((name.to_str().ok()?.parse().ok()?, name)))
         .collect();
     numbers.sort_unstable();
-    let (mut target, mut info) = (String::new(), String::new());
-    for fd in numbers {
-        target.clear();
-        if !link_into(
-            ProcPath::new(format_args!("/proc/self/fd/{fd}")).as_c_str(),
-            &mut target,
-        ) {
-            // The directory's own fd, closed since.
+    let mut target = String::new();
+    for (fd, name) in numbers {
+        if let Some(pin) = kept.iter().find(|pin| pin.number() == fd) {
+            let item = state.name(format_args!("fd {fd}"));
+            match pin.fd() {
+                Ok(_) => item.write(format_args!("kept: {}", pin.name())),
+                Err(replaced) => item.write(format_args!("{replaced}")),
+            }
             continue;
         }
-        info.clear();
-        read_into(
-            ProcPath::new(format_args!("/proc/self/fdinfo/{fd}")).as_c_str(),
-            &mut info,
-        );
-        // Offset, flags and what an epoll, a signalfd, an inotify or a
-        // timerfd watches; not counters that move on their own. The
-        // standard streams' offsets are the runtime's too (they are
-        // shared with it, in every isolation): output moves them.
-        let kept = info.lines().filter(|line| {
-            !(line.starts_with("eventfd-count")
-                || line.starts_with("it_value")
-                || line.starts_with("ticks")
-                || line.starts_with("mnt_id")
-                || (fd <= 2 && line.starts_with("pos:")))
-        });
+        target.clear();
+        if !link_into(&proc.fds, name, &mut target) {
+            // Closed since it was listed.
+            continue;
+        }
         let mut item = state.name(format_args!("fd {fd}"));
         let text = item.text();
         text.push_str(&target);
-        text.push_str(" (");
-        push_joined(text, kept.map(str::split_whitespace), ", ");
-        text.push(')');
+        describe_fd(text, fd, &target, proc);
     }
     let pid = std::process::id().to_string();
     let mut locks = String::new();
-    read_into(c"/proc/locks", &mut locks);
+    read_into(&proc.locks, &mut locks);
     let ours = locks
         .lines()
         .filter(|l| l.split_whitespace().nth(4) == Some(pid.as_str()))
@@ -300,16 +246,79 @@ fn fds(state: &mut State) {
     push_joined(state.name(format_args!("file locks")).text(), ours, "; ");
 }
 
+/// Appends what open fd `fd` (a link to `target`) is beyond its file: the
+/// file's inode, its offset (not for the standard streams: they are
+/// shared with the runtime, in every isolation, and output moves them),
+/// its flags. An fd that is no file, pipe or socket (an epoll, a
+/// signalfd, an inotify, a timerfd, an eventfd, a pidfd) also what it
+/// watches or holds, from its fdinfo, less what moves on its own.
+fn describe_fd(text: &mut String, fd: RawFd, target: &str, proc: &ProcSelf) {
+    // SAFETY: reads of an fd of this process: fstat into a zeroed struct,
+    // fcntl's and lseek's reads touch no memory.
+    let (inode, offset, status_flags, fd_flags) = unsafe {
+        let mut stat: libc::stat = std::mem::zeroed();
+        libc::fstat(fd, &mut stat);
+        (
+            (stat.st_dev, stat.st_ino),
+            libc::lseek(fd, 0, libc::SEEK_CUR),
+            libc::fcntl(fd, libc::F_GETFL),
+            libc::fcntl(fd, libc::F_GETFD),
+        )
+    };
+    let _ = write!(text, " (inode {}:{}", inode.0, inode.1);
+    if fd > 2 {
+        let _ = write!(text, ", pos {offset}");
+    }
+    let _ = write!(text, ", flags {status_flags:o}, fd flags {fd_flags}");
+    let plain =
+        target.starts_with('/') || target.starts_with("pipe:") || target.starts_with("socket:");
+    if !plain {
+        let mut info = String::new();
+        let path = format!("fdinfo/{fd}\0");
+        read_fdinfo(proc, &path, &mut info);
+        let kept = info.lines().filter(|line| {
+            !(line.starts_with("pos:")
+                || line.starts_with("flags:")
+                || line.starts_with("mnt_id:")
+                || line.starts_with("ino:")
+                || line.starts_with("eventfd-count")
+                || line.starts_with("it_value")
+                || line.starts_with("ticks"))
+        });
+        text.push_str(", ");
+        push_joined(text, kept.map(str::split_whitespace), ", ");
+    }
+    text.push(')');
+}
+
+/// Appends `/proc/self/` + `path` (NUL-terminated), opened and read whole.
+fn read_fdinfo(proc: &ProcSelf, path: &str, into: &mut String) {
+    let dir = match proc.dir.fd() {
+        Ok(fd) => fd,
+        Err(replaced) => {
+            let _ = write!(into, "unreadable ({replaced})");
+            return;
+        }
+    };
+    // SAFETY: openat with a NUL-terminated path.
+    let fd = unsafe { libc::openat(dir, path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        let _ = write!(into, "unreadable ({})", std::io::Error::last_os_error());
+        return;
+    }
+    // SAFETY: the fd just opened, ours alone.
+    let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let _ = std::io::Read::read_to_string(&mut file, into);
+}
+
 /// Threads, and child processes (a zombie is one).
-fn tasks(state: &mut State) {
-    let threads = std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
-    state.add("threads", format_args!("{threads}"));
-    let pid = std::process::id();
+fn tasks(state: &mut State, proc: &ProcSelf) {
+    match names_in(&proc.tasks) {
+        Ok(names) => state.add("threads", format_args!("{}", each_name(&names).count())),
+        Err(replaced) => state.add("threads", format_args!("unreadable ({replaced})")),
+    }
     let mut item = state.name(format_args!("child processes"));
-    read_into(
-        ProcPath::new(format_args!("/proc/self/task/{pid}/children")).as_c_str(),
-        item.text(),
-    );
+    read_into(&proc.children, item.text());
     trim_end(item.text());
 }
 
@@ -372,26 +381,27 @@ fn word(set: &libc::sigset_t) -> u64 {
 }
 
 /// Where it is: the working directory, the root, its cgroup, namespaces.
-fn places(state: &mut State) {
-    state.name(format_args!("cwd")).link(c"/proc/self/cwd");
-    state.name(format_args!("root")).link(c"/proc/self/root");
-    state.name(format_args!("exe")).link(c"/proc/self/exe");
+fn places(state: &mut State, proc: &ProcSelf) {
+    state.name(format_args!("cwd")).link(&proc.dir, c"cwd");
+    state.name(format_args!("root")).link(&proc.dir, c"root");
+    state.name(format_args!("exe")).link(&proc.dir, c"exe");
     let mut item = state.name(format_args!("cgroup"));
-    read_into(c"/proc/self/cgroup", item.text());
+    read_into(&proc.cgroup, item.text());
     trim_end(item.text());
     drop(item);
-    let Ok(entries) = std::fs::read_dir("/proc/self/ns") else {
-        return;
+    let names = match names_in(&proc.namespaces) {
+        Ok(names) => names,
+        Err(replaced) => {
+            state.add("namespaces", format_args!("unreadable ({replaced})"));
+            return;
+        }
     };
-    let mut names: Vec<String> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
+    let mut names: Vec<&CStr> = each_name(&names).collect();
     names.sort_unstable();
     for name in names {
         state
-            .name(format_args!("namespace {name}"))
-            .link(ProcPath::new(format_args!("/proc/self/ns/{name}")).as_c_str());
+            .name(format_args!("namespace {}", name.to_string_lossy()))
+            .link(&proc.namespaces, name);
     }
 }
 
@@ -415,7 +425,7 @@ fn limits(state: &mut State) {
 
 /// From `/proc/self/status`: credentials and capabilities, the umask,
 /// seccomp, no_new_privs, speculation controls.
-fn status(state: &mut State) {
+fn status(state: &mut State, proc: &ProcSelf) {
     const KEPT: &[&str] = &[
         "Umask",
         "Uid",
@@ -434,7 +444,7 @@ fn status(state: &mut State) {
         "THP_enabled",
     ];
     let mut text = String::new();
-    read_into(c"/proc/self/status", &mut text);
+    read_into(&proc.status, &mut text);
     for line in text.lines() {
         if let Some((key, value)) = line.split_once(':')
             && KEPT.contains(&key)
@@ -447,7 +457,7 @@ fn status(state: &mut State) {
 }
 
 /// Interval timers, POSIX timers, the timer slack.
-fn timers(state: &mut State) {
+fn timers(state: &mut State, proc: &ProcSelf) {
     for (name, which) in [
         ("ITIMER_REAL", libc::ITIMER_REAL),
         ("ITIMER_VIRTUAL", libc::ITIMER_VIRTUAL),
@@ -466,9 +476,7 @@ fn timers(state: &mut State) {
             timer.it_interval.tv_sec, timer.it_interval.tv_usec
         ));
     }
-    state
-        .name(format_args!("posix timers"))
-        .file(c"/proc/self/timers");
+    state.name(format_args!("posix timers")).file(&proc.timers);
     // SAFETY: prctl reads.
     let slack = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
     state.add("timer slack", format_args!("{slack}"));
@@ -477,14 +485,10 @@ fn timers(state: &mut State) {
 /// How it is named and what it runs with: the environment and arguments
 /// as the kernel holds them, its name, its session and group, prctl's
 /// settings, its personality.
-fn identity(state: &mut State) {
-    state
-        .name(format_args!("environ"))
-        .file(c"/proc/self/environ");
-    state
-        .name(format_args!("cmdline"))
-        .file(c"/proc/self/cmdline");
-    state.name(format_args!("comm")).file(c"/proc/self/comm");
+fn identity(state: &mut State, proc: &ProcSelf) {
+    state.name(format_args!("environ")).file(&proc.environ);
+    state.name(format_args!("cmdline")).file(&proc.cmdline);
+    state.name(format_args!("comm")).file(&proc.comm);
     // SAFETY: plain reads of this process's ids and settings.
     let (sid, pgid, personality) = unsafe {
         (
@@ -515,7 +519,7 @@ fn identity(state: &mut State) {
     }
     item.write(format_args!("pdeathsig={signal} subreaper={subreaper}"));
     let mut item = state.name(format_args!("oom_score_adj"));
-    read_into(c"/proc/self/oom_score_adj", item.text());
+    read_into(&proc.oom_score_adj, item.text());
     trim_end(item.text());
 }
 
@@ -554,32 +558,55 @@ mod tests {
     use super::*;
 
     #[test]
-    fn paths_below_proc_self_are_read_through_its_open_directory() {
-        open_proc_self();
-        let (dir, rest) = at(c"/proc/self/status");
-        assert!(dir >= 0 && rest == c"status");
-        assert_eq!(at(c"/proc/locks").1, c"/proc/locks");
+    fn the_files_below_proc_self_are_read_through_its_kept_fds() {
+        let proc = ProcSelf::open().unwrap();
         let mut status = String::new();
-        read_into(c"/proc/self/status", &mut status);
+        read_into(&proc.status, &mut status);
         let pid = format!("\nPid:\t{}\n", std::process::id());
         assert!(status.contains(&pid), "{status}");
         let mut cwd = String::new();
-        assert!(link_into(c"/proc/self/cwd", &mut cwd));
+        assert!(link_into(&proc.dir, c"cwd", &mut cwd));
         assert_eq!(std::path::Path::new(&cwd), std::env::current_dir().unwrap());
+        let state = State::read(&proc, &proc.all());
+        let items = state.by_name();
+        let dir = format!("fd {}", proc.dir.number());
+        assert_eq!(items[dir.as_str()], "kept: /proc/self");
+        assert!(items.contains_key("namespace mnt"), "{items:?}");
+    }
+
+    #[test]
+    fn a_directory_put_in_place_of_proc_self_is_read_as_replaced() {
+        let proc = ProcSelf::open().unwrap();
+        let before = State::read(&proc, &proc.all());
+        let elsewhere = std::fs::File::open("/").unwrap();
+        // SAFETY: dup2 onto this test's own kept fd.
+        unsafe {
+            libc::dup2(
+                std::os::fd::AsRawFd::as_raw_fd(&elsewhere),
+                proc.dir.number(),
+            )
+        };
+        let after = State::read(&proc, &proc.all());
+        let change = after.changed_from(&before).expect("a change");
+        assert!(change.contains("no longer holds /proc/self"), "{change}");
+        assert!(after.by_name()["cwd"].starts_with("unreadable"));
+        // SAFETY: closes the stranger at the kept number, this test's own.
+        unsafe { libc::close(proc.dir.number()) };
     }
 
     #[test]
     fn a_change_is_read_and_named() {
         // Other tests' threads open and close fds meanwhile: only the
         // item changed here is compared.
-        let before = State::read();
+        let proc = ProcSelf::open().unwrap();
+        let before = State::read(&proc, &proc.all());
         assert_eq!(before.changed_from(&before.clone()), None);
         // The timer slack is this thread's own: no other test sees it.
         // SAFETY: prctl reads and sets this thread's timer slack.
         let old = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
         // SAFETY: as above.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 123_456 as libc::c_ulong) };
-        let after = State::read();
+        let after = State::read(&proc, &proc.all());
         // SAFETY: as above.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, old as libc::c_ulong) };
         assert_eq!(before.by_name()["timer slack"], old.to_string());
@@ -589,7 +616,8 @@ mod tests {
 
     #[test]
     fn an_item_gone_or_new_is_named() {
-        let mut before = State::read();
+        let proc = ProcSelf::open().unwrap();
+        let mut before = State::read(&proc, &proc.all());
         let mut extra = before.clone();
         extra.add("made up", format_args!("x"));
         assert_eq!(

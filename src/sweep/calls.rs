@@ -178,7 +178,12 @@ pub struct Calls<'a> {
     /// `--timeout`: a call still running this long after it started is
     /// ended, with everything it started (`NodeTimeout`).
     timeout: Option<Duration>,
+    /// Since when a call has been left for later ([`Calls::try_start`]).
+    left_since: Option<Instant>,
 }
+
+/// How long [`Calls::try_start`] leaves a call for later, at most.
+const LEAVE_FOR_AT_MOST: Duration = Duration::from_secs(1);
 
 impl<'a> Calls<'a> {
     pub fn new(zygote: &'a mut Zygote, node: &'a Node) -> Calls<'a> {
@@ -190,6 +195,7 @@ impl<'a> Calls<'a> {
             running: Vec::new(),
             in_turn,
             timeout: None,
+            left_since: None,
         }
     }
 
@@ -236,6 +242,36 @@ impl<'a> Calls<'a> {
             log,
         });
         Ok(())
+    }
+
+    /// Starts call `index` as [`Calls::start`] does, unless that would
+    /// wait for a resident to be put back: then it is left for later
+    /// (false), and the next [`Calls::step`] wakes once one is, or
+    /// sooner for a call in flight. Waiting here would leave the other
+    /// calls' replies unread meanwhile, and their residents idle.
+    pub fn try_start(
+        &mut self,
+        py: Python<'_>,
+        index: usize,
+        kwargs: &Map<String, Value>,
+    ) -> Result<bool, String> {
+        if self.in_turn && !self.being_put_back().is_empty() {
+            // Not for ever: one that never says it is put back is taken,
+            // and waited for, and retired when it is not.
+            let since = *self.left_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < LEAVE_FOR_AT_MOST {
+                return Ok(false);
+            }
+        }
+        self.left_since = None;
+        self.start(py, index, kwargs).map(|()| true)
+    }
+
+    /// The control sockets of the node's residents being put back, where
+    /// starting a call would wait for them.
+    fn being_put_back(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        self.zygote
+            .residents_being_put_back(&self.node.flow, &self.node.name)
     }
 
     /// Forks the standby children for the next calls, while these run.
@@ -404,6 +440,10 @@ impl<'a> Calls<'a> {
     ) -> Result<(Vec<usize>, Vec<usize>, bool), String> {
         let mut set = PollSet::new();
         let also = also.map(|also| set.fd(also, PollFlags::POLLIN));
+        // A call left for later wakes this once a resident is put back.
+        for control in self.being_put_back() {
+            set.fd(control, PollFlags::POLLIN);
+        }
         let watched: Vec<Watched> = self
             .running
             .iter()

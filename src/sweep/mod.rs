@@ -659,7 +659,7 @@ fn sweep(
         if let Err(message) = calls.fill(py, &mut next, todo, jobs, &prepared.calls) {
             break Some(Stop::Failed(message));
         }
-        if calls.in_flight() == 0 {
+        if calls.in_flight() == 0 && next >= todo.len() {
             break None;
         }
         let finished = match calls.step() {
@@ -770,7 +770,9 @@ impl Runner<'_> {
             Runner::Here(calls) => {
                 while calls.in_flight() < jobs && *next < todo.len() {
                     let index = todo[*next];
-                    calls.start(py, index, &source.get(index))?;
+                    if !calls.try_start(py, index, &source.get(index))? {
+                        break;
+                    }
                     *next += 1;
                 }
                 if *next < todo.len() {

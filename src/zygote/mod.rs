@@ -390,6 +390,21 @@ impl Zygote {
             .map(|(resident, _)| resident)
     }
 
+    /// `--isolation reset`: where starting a resident for node
+    /// `flow`/`node` would wait for one to be put back, the control sockets
+    /// to poll for the first that is (empty: it would not wait).
+    pub fn residents_being_put_back(
+        &self,
+        flow: &str,
+        node: &str,
+    ) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        let key = NodeKey {
+            flow: flow.to_string(),
+            node: node.to_string(),
+        };
+        self.runner.residents_being_put_back(&key)
+    }
+
     /// A resident whose run replied: it waits for its node's next run.
     pub fn keep_resident(&mut self, resident: resident::Resident) {
         self.runner.keep_resident(resident);

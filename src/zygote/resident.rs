@@ -19,7 +19,7 @@
 //! pipe) and are read together.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
 use pyo3::prelude::*;
 
@@ -57,6 +57,9 @@ pub struct Resident {
     /// `None` where it has none (its snapshot failed): it is retired at
     /// its next call.
     wait_point: Option<String>,
+    /// Its `/proc/PID/stat` and `/proc/PID/syscall`, open: read each time
+    /// it is put back (opening them costs more than reading).
+    watched: Option<Watched>,
     /// A link's call: the read end of the pipe its lines went down, whose
     /// owner reads them. No one else's call is handed it before that owner
     /// has read them all, so nothing the owner does for its call (a late
@@ -93,6 +96,7 @@ impl Resident {
             digest: digest.to_string(),
             calls: 0,
             wait_point: None,
+            watched: None,
             owner_end: None,
         }
     }
@@ -102,6 +106,10 @@ impl Resident {
     /// a call has run in it yet, so what it shows is the runtime's own.
     pub(super) fn learn_wait_point(&mut self) -> Result<(), String> {
         self.read_word()?;
+        self.watched = Some(
+            Watched::open(self.flight.pid.as_raw())
+                .map_err(|e| format!("its state cannot be read ({e})"))?,
+        );
         self.wait_point = Some(self.blocked_waiting(None)?);
         Ok(())
     }
@@ -224,15 +232,18 @@ impl Resident {
     /// in a system call, at `expected` where given; the call as
     /// `/proc/PID/syscall` shows it (number, arguments, stack, code).
     fn blocked_waiting(&self, expected: Option<&String>) -> Result<String, String> {
-        let pid = self.flight.pid.as_raw();
+        let watched = self
+            .watched
+            .as_ref()
+            .ok_or("its state cannot be read (not open)")?;
         let started = std::time::Instant::now();
         // Since when it has been blocked somewhere else: a child on its way
         // to its wait is running, so one that stays blocked elsewhere (in a
         // call's own code) is not coming.
         let mut elsewhere_since = None;
         loop {
-            let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |t| t.count());
-            let syscall = std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+            let (threads, syscall) = watched
+                .read()
                 .map_err(|e| format!("its state cannot be read ({e})"))?;
             let syscall = wait_of(syscall.trim());
             // "running" on a CPU, "-1 …" stopped outside any system call
@@ -254,12 +265,19 @@ impl Resident {
                     }
                 }
             }
-            if started.elapsed() > PUT_BACK_WITHIN {
+            let waited = started.elapsed();
+            if waited > PUT_BACK_WITHIN {
                 return Err(format!(
                     "not at its wait for a call within {PUT_BACK_WITHIN:?} ({threads} threads, {syscall})"
                 ));
             }
-            std::thread::sleep(std::time::Duration::from_micros(50));
+            // It writes its word right before it waits: the first turns
+            // give it the CPU back at once; a slow one is slept on.
+            if waited < SPIN_FOR {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
         }
     }
 
@@ -327,8 +345,11 @@ impl Residents {
                 // calls in flight.
                 match idle.iter().position(Resident::said_its_word) {
                     Some(at) => idle.swap_remove(at),
-                    None if idle.len() == 1 => return None,
-                    None => idle.pop()?,
+                    None if idle.len() <= 1 => return None,
+                    // Whichever is put back first: waiting on one in
+                    // particular would leave another, put back meanwhile,
+                    // idle.
+                    None => idle.swap_remove(first_to_say_its_word(idle)),
                 }
             } else {
                 idle.pop()?
@@ -359,6 +380,25 @@ impl Residents {
                 }
             }
         }
+    }
+
+    /// `--isolation reset`: the control sockets of node `key`'s idle
+    /// residents where [`Residents::take`] would wait for one of them to be
+    /// put back (two or more, all still being put back), each readable
+    /// once its resident is; empty where it would not wait. A caller with
+    /// more to do than wait (a sweep reading its other calls) polls these
+    /// and takes one once it is ready.
+    pub(super) fn being_put_back(&self, key: &NodeKey) -> Vec<BorrowedFd<'_>> {
+        let Some(idle) = self.idle.get(key).filter(|_| self.reset) else {
+            return Vec::new();
+        };
+        let digests_agree = idle.windows(2).all(|pair| pair[0].digest == pair[1].digest);
+        if idle.len() <= 1 || !digests_agree || idle.iter().any(Resident::said_its_word) {
+            return Vec::new();
+        }
+        idle.iter()
+            .map(|resident| resident.control.as_fd())
+            .collect()
     }
 
     /// Puts back a resident that has replied to one more call; retired
@@ -396,6 +436,25 @@ impl Residents {
     }
 }
 
+/// The one of `idle` (not empty) that says its word first; the last, if
+/// none does within [`PUT_BACK_WITHIN`] (its put-back then says why).
+fn first_to_say_its_word(idle: &[Resident]) -> usize {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let mut fds: Vec<PollFd> = idle
+        .iter()
+        .map(|resident| PollFd::new(resident.control.as_fd(), PollFlags::POLLIN))
+        .collect();
+    let within =
+        PollTimeout::try_from(PUT_BACK_WITHIN.as_millis() as u64).unwrap_or(PollTimeout::MAX);
+    let said = match poll(&mut fds, within) {
+        Ok(n) if n > 0 => fds
+            .iter()
+            .position(|fd| fd.revents().is_some_and(|events| !events.is_empty())),
+        _ => None,
+    };
+    said.unwrap_or(idle.len() - 1)
+}
+
 /// A blocked system call as `/proc/PID/syscall` shows it, less what the
 /// call does not use: its number, the three arguments a `read` takes, the
 /// stack and code addresses (the other argument registers hold whatever
@@ -411,6 +470,60 @@ fn wait_of(syscall: &str) -> String {
     .join(" ")
 }
 
+/// A resident's `/proc/PID/stat` and `/proc/PID/syscall`, open in the
+/// zygote (claimed: no child it forks keeps them).
+struct Watched {
+    stat: Claimed,
+    syscall: Claimed,
+}
+
+impl Watched {
+    fn open(pid: i32) -> std::io::Result<Watched> {
+        let open = |name: &str| -> std::io::Result<Claimed> {
+            let file = std::fs::File::open(format!("/proc/{pid}/{name}"))?;
+            Ok(Claimed::new(file.into()))
+        };
+        Ok(Watched {
+            stat: open("stat")?,
+            syscall: open("syscall")?,
+        })
+    }
+
+    /// Its threads, and its system call now.
+    fn read(&self) -> std::io::Result<(usize, String)> {
+        let stat = read_from_start(&self.stat)?;
+        // After the name's closing parenthesis: state (field 3) on;
+        // num_threads is field 20.
+        let threads = stat
+            .rsplit_once(')')
+            .and_then(|(_, fields)| fields.split_whitespace().nth(17))
+            .and_then(|threads| threads.parse().ok())
+            .unwrap_or(0);
+        Ok((threads, read_from_start(&self.syscall)?))
+    }
+}
+
+/// A `/proc` file read whole from its start (where it is made anew).
+fn read_from_start(file: &Claimed) -> std::io::Result<String> {
+    let mut buffer = [0u8; 1024];
+    // SAFETY: reads into a local buffer, within its length.
+    let n = unsafe {
+        libc::pread(
+            file.as_raw_fd(),
+            buffer.as_mut_ptr().cast(),
+            buffer.len(),
+            0,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(String::from_utf8_lossy(&buffer[..n as usize]).into_owned())
+}
+
+/// How long the zygote yields to a resident on its way to its wait before
+/// it sleeps between looks.
+const SPIN_FOR: std::time::Duration = std::time::Duration::from_micros(200);
 /// How long a resident has to put itself back after a call.
 const PUT_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long one may stay blocked outside its wait after its word: between
@@ -554,16 +667,15 @@ fn serve_resetting(
         let Ok(reset) = &reset else {
             crate::process::exit_now(0)
         };
-        match reset.after_call() {
-            Ok(_) => tell(&control, READY),
-            Err(why) => {
-                tell(&control, &format!("{RETIRED}{why}"));
-                crate::process::exit_now(0)
-            }
+        if let Err(why) = reset.after_call() {
+            tell(&control, &format!("{RETIRED}{why}"));
+            crate::process::exit_now(0)
         }
         if let Some(stack) = reset.stack_start() {
             crate::reset::wipe_stack_below(stack);
         }
+        // Last before the wait: the zygote, told, finds it there at once.
+        tell(&control, READY);
     }
 }
 

@@ -271,6 +271,15 @@ impl Runner {
         Ok((resident, true))
     }
 
+    /// Where taking node `key`'s resident would wait for a put-back: see
+    /// [`Residents::being_put_back`].
+    pub(super) fn residents_being_put_back(
+        &self,
+        key: &super::node::NodeKey,
+    ) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        self.residents.being_put_back(key)
+    }
+
     /// A resident whose call replied: it waits for its node's next call.
     pub(super) fn keep_resident(&mut self, resident: Resident) {
         let children = &mut self.children;
