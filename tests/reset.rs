@@ -439,18 +439,21 @@ def process(role, secret=None, id=None):
     }
 }
 
-/// A call that puts files of its own at the numbers of the fds the runtime
-/// keeps open for the put-back (`os.dup2`, no native code): a directory it
-/// made, mirroring `/proc/self` as it was, in place of `/proc/self`, a copy
-/// of each file in place of that file. Through them every check of the
-/// state would read what it was before the call, while the call changed
-/// its working directory and umask and left an fd open. The child that
-/// ran it is retired, and no call after it sees any of it.
+/// A call that changes one of the fds the runtime keeps open for the
+/// put-back, and nothing else, with no native code: `os.dup2` of a file
+/// of its own at its number (a directory mirroring `/proc/self` as it was
+/// in place of `/proc/self`, a copy of a file in place of the file), an
+/// `lseek`, an open file description's lock, a signal for its `SIGIO`.
+/// Through a mirror every check of the state would read what it was
+/// before the call; the others are state a next call could read back.
+/// Each, alone, retires the child that ran it. And a call that mirrors
+/// `/proc/self` and then changes its working directory and umask and
+/// leaves an fd open passes none of it on.
 #[test]
-fn a_call_that_puts_its_own_files_at_the_runtimes_kept_fds_is_retired() {
+fn a_call_that_changes_a_fd_the_runtime_keeps_is_retired() {
     let dir = common::scratch("reset-kept-fds");
     let source = format!(
-        r#"import os, shutil, stat, tempfile
+        r#"import fcntl, os, shutil, struct, tempfile
 WORK = {work:?}
 def copy_tree(src, dst):
     os.makedirs(dst, exist_ok=True)
@@ -487,7 +490,7 @@ def mirror_of(target, fake):
         except OSError:
             pass
     return os.open(fake, os.O_RDONLY)
-def process(act):
+def process(act, which=0):
     um = os.umask(0); os.umask(um)
     fds = {{}}
     for n in os.listdir("/proc/self/fd"):
@@ -500,131 +503,81 @@ def process(act):
     if act == "look":
         return [os.getpid(), {{"cwd": os.getcwd(), "umask": um, "kept": kept,
                                "fds": sorted(fds.values())}}]
-    n = kept[act]
+    n = kept[which]
     target = fds[n]
-    made = mirror_of(target, tempfile.mktemp(dir=WORK))
-    os.dup2(made, n, inheritable=False)
-    os.close(made)
-    left = os.open(WORK, os.O_RDONLY)
-    os.chdir(WORK)
-    os.umask(0o077)
+    if act == "swap":
+        made = mirror_of(target, tempfile.mktemp(dir=WORK))
+        os.dup2(made, n, inheritable=False)
+        os.close(made)
+    elif act in ("seek", "lock", "signal"):
+        try:
+            if act == "seek":
+                os.lseek(n, 4096, os.SEEK_SET)
+            elif act == "lock":
+                # F_OFD_SETLK, a read lock on the first byte.
+                fcntl.fcntl(n, 37, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 1, 0))
+            else:
+                fcntl.fcntl(n, 10, 10)  # F_SETSIG: SIGUSR1
+        except OSError as e:
+            # Not on this fd (an O_PATH fd has no offset): nothing changed.
+            return [os.getpid(), None]
+    elif act == "swap and leave":
+        made = mirror_of(target, tempfile.mktemp(dir=WORK))
+        os.dup2(made, n, inheritable=False)
+        os.close(made)
+        os.open(WORK, os.O_RDONLY)
+        os.chdir(WORK)
+        os.umask(0o077)
     return [os.getpid(), target]
 "#,
         work = dir.display().to_string()
     );
     let mut worker = reset_worker();
-    let look = |worker: &mut Worker, id: i64| {
-        served(
-            &worker
-                .call(&run(id, "n", &source, json!({"act": "look"})))
-                .reply,
-        )
-    };
-    let (_, before) = look(&mut worker, 0);
-    let kept = before["kept"].as_array().unwrap().len();
-    assert!(
-        kept >= 4,
-        "the runtime keeps fds for the put-back: {before}"
-    );
-    let mut id = 1;
-    // One at a time: each alone must give the call away.
-    for which in 0..kept {
-        id += 1;
-        let (forger, target) = served(
-            &worker
-                .call(&run(id, "n", &source, json!({"act": which})))
-                .reply,
-        );
-        for _ in 0..3 {
-            id += 1;
-            let (pid, seen) = look(&mut worker, id);
-            assert_ne!(
-                pid, forger,
-                "{target}: the child that swapped it was retired"
-            );
-            assert_eq!(seen["cwd"], before["cwd"], "{target}: {seen}");
-            assert_eq!(seen["umask"], before["umask"], "{target}: {seen}");
-            let work = dir.display().to_string();
-            assert!(
-                !seen["fds"].to_string().contains(&work),
-                "{target}: no fd of the call's is left: {seen}"
-            );
-        }
-    }
-}
-
-/// A call that writes to its memory, then protects its pages again so
-/// that write-protect tracking would not list them as written: one
-/// `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` on its own pagemap (Python's
-/// `fcntl.ioctl`, no native code), and `UFFDIO_WRITEPROTECT` on a
-/// userfaultfd of the runtime's, if it finds one. The put-back asks
-/// whether each page is still the snapshot's, which no call can make it
-/// again: the next call finds nothing, and the child serves on.
-/// (BENCHMARKS, "Write-protect tracking, built and measured": tracking
-/// writes would need a seccomp filter to refuse both, and was slower.)
-#[test]
-fn a_call_that_protects_its_written_pages_again_hides_nothing_from_the_put_back() {
-    let source = r#"import fcntl, os, struct
-seen = []
-def uffd():
-    for n in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{n}") == "anon_inode:[userfaultfd]":
-                return int(n)
-        except OSError:
-            pass
-def writable():
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        if fields[1] == "rw-p":
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            return start, end
-def process(act, secret=None):
-    if act == "look":
-        return [os.getpid(), {"seen": list(seen)}]
-    seen.append(secret)
-    tried = {}
-    # Every page of the address space protected again, nothing listed.
-    scan = struct.pack("12Q", 96, 1, 0, 0x7FFFFFFFF000, 0, 0, 0, 0, 0, 2, 0, 2)
-    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    try:
-        fcntl.ioctl(fd, 0xC0606610, scan)
-        tried["pagemap_scan"] = 0
-    except OSError as e:
-        tried["pagemap_scan"] = e.errno
-    os.close(fd)
-    fd = uffd()
-    if fd is not None:
-        start, end = writable()
-        try:
-            fcntl.ioctl(fd, 0xC018AA06, struct.pack("3Q", start, end - start, 1))
-            tried["uffdio_writeprotect"] = 0
-        except OSError as e:
-            tried["uffdio_writeprotect"] = e.errno
-    return [os.getpid(), {"tried": tried}]
-"#;
-    let mut worker = reset_worker();
     let mut id = 0;
     let mut call = |worker: &mut Worker, kwargs: Value| {
         id += 1;
-        served(&worker.call(&run(id, "hider", source, kwargs)).reply)
+        served(&worker.call(&run(id, "n", &source, kwargs)).reply)
     };
-    let (_, first) = call(&mut worker, json!({"act": "look"}));
-    assert_eq!(first["seen"], json!([]));
-    for round in 0..3 {
-        let secret = format!("hidden-{round}-{}", std::process::id());
-        let (pid, hid) = call(&mut worker, json!({"act": "hide", "secret": secret}));
-        // The kernel took it: every page of the address space protected.
-        assert_eq!(hid["tried"]["pagemap_scan"], 0, "{hid}");
-        let mut pids = vec![pid];
-        for _ in 0..3 {
-            let (pid, seen) = call(&mut worker, json!({"act": "look"}));
-            assert_eq!(seen["seen"], json!([]), "round {round}: {seen}");
-            pids.push(pid);
-        }
-        // Refused, the attempt costs the child nothing: it serves on.
-        served_by_residents(&pids);
+    let (_, before) = call(&mut worker, json!({"act": "look"}));
+    let kept = before["kept"].as_array().unwrap().len();
+    assert!(
+        kept >= 10,
+        "the runtime keeps fds for the put-back: {before}"
+    );
+    let mut tried = Vec::new();
+    for which in 0..kept {
+        tried.push(json!({"act": "swap", "which": which}));
+        tried.push(json!({"act": "seek", "which": which}));
     }
+    // A lock and a signal on a file (the snapshot's memfd) and on a /proc
+    // file, whichever fd each is.
+    for which in [0, kept - 1] {
+        tried.push(json!({"act": "lock", "which": which}));
+        tried.push(json!({"act": "signal", "which": which}));
+    }
+    tried.push(json!({"act": "swap and leave", "which": 0}));
+    let mut changed = 0;
+    for kwargs in tried {
+        let (changer, target) = call(&mut worker, kwargs.clone());
+        changed += usize::from(!target.is_null());
+        for _ in 0..2 {
+            let (pid, seen) = call(&mut worker, json!({"act": "look"}));
+            if !target.is_null() {
+                assert_ne!(
+                    pid, changer,
+                    "{kwargs} on {target}: the child that ran it was retired"
+                );
+            }
+            assert_eq!(seen["cwd"], before["cwd"], "{kwargs}: {seen}");
+            assert_eq!(seen["umask"], before["umask"], "{kwargs}: {seen}");
+            assert_eq!(
+                seen["fds"].as_array().unwrap().len(),
+                before["fds"].as_array().unwrap().len(),
+                "{kwargs}: {seen}"
+            );
+        }
+    }
+    assert!(changed > 2 * kept, "most changes took: {changed}");
 }
 
 /// A call that writes a reply of its own down its pipe, then returns: its

@@ -261,6 +261,11 @@ impl Snapshot {
         if unsafe { libc::fcntl(memfd, libc::F_ADD_SEALS, seals) } != 0 {
             return Err(os_error("sealing the snapshot"));
         }
+        // Sized and sealed (its inode changed): as the fd is kept from here.
+        for kept in self.kept.iter_mut().filter(|kept| kept.number() == memfd) {
+            kept.settle()
+                .map_err(|e| MemoryError(format!("the snapshot's memfd: {e}")))?;
+        }
         // SAFETY: a read-only shared view of the sealed memfd.
         let view = unsafe {
             libc::mmap(

@@ -207,7 +207,19 @@ fn open_cell() -> std::io::Result<Option<Pinned>> {
     };
     let procs = std::fs::File::open(cell.own.join("cgroup.procs"))?;
     let fd = std::os::fd::IntoRawFd::into_raw_fd(procs);
-    Pinned::adopt(fd, "its cell's cgroup.procs").map(Some)
+    let procs = Pinned::adopt(fd, "its cell's cgroup.procs")?;
+    // Its own alone before any call: a cgroup shared with others (its
+    // zygote's, had joining its cell failed) is no cell to empty.
+    let mut members = Vec::new();
+    procs.read_all(&mut members)?;
+    let me = std::process::id().to_string();
+    if String::from_utf8_lossy(&members)
+        .split_whitespace()
+        .any(|pid| pid != me)
+    {
+        return Ok(None);
+    }
+    Ok(Some(procs))
 }
 
 /// Wipes the stack below the caller's frame: what the call's deeper frames

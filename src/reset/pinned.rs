@@ -16,6 +16,9 @@
 use std::ffi::CStr;
 use std::os::fd::RawFd;
 
+/// `fcntl`'s: the signal an fd's `SIGIO` is sent as (Linux; not in libc).
+pub const F_GETSIG: libc::c_int = 11;
+
 /// An fd kept open across calls, and what it was when opened.
 #[derive(Debug)]
 pub struct Pinned {
@@ -23,22 +26,35 @@ pub struct Pinned {
     /// What it was opened on, for a reader.
     name: &'static str,
     opened: Identity,
+    /// Whether its inode's change time is part of what it is: a `/proc`
+    /// file's never changes; a memfd's moves as its pages are read in.
+    fixed_time: bool,
 }
 
-/// What an fd holds: the file (device, inode), its status flags and
-/// whether it closes on exec. A `read` at an offset moves nothing here.
+/// What an fd holds and how: the file (device, inode, and the inode's
+/// change time: `/proc` numbers its inodes from a counter that wraps), its
+/// offset (the runtime reads with `pread`, and rewinds a directory it
+/// lists, so it stays where it was opened), its status flags, whether it
+/// closes on exec, and who gets its `SIGIO`, as which signal. A call can
+/// set each of these on the runtime's fd, and the next call read it back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Identity {
     dev: u64,
     ino: u64,
+    changed: (i64, i64),
+    offset: i64,
     status_flags: i32,
     fd_flags: i32,
+    owner: i32,
+    signal: i32,
 }
 
 impl Identity {
-    /// `fd`'s, or `None` if it is not open.
-    fn of(fd: RawFd) -> Option<Identity> {
-        // SAFETY: fstat into a zeroed struct; fcntl's reads touch no memory.
+    /// `fd`'s, or `None` if it is not open; its change time only where
+    /// `with_time`.
+    fn of(fd: RawFd, with_time: bool) -> Option<Identity> {
+        // SAFETY: fstat into a zeroed struct; lseek's and fcntl's reads
+        // touch no memory.
         unsafe {
             let mut stat: libc::stat = std::mem::zeroed();
             if libc::fstat(fd, &mut stat) != 0 {
@@ -47,8 +63,17 @@ impl Identity {
             Some(Identity {
                 dev: stat.st_dev,
                 ino: stat.st_ino,
+                changed: if with_time {
+                    (stat.st_ctime, stat.st_ctime_nsec)
+                } else {
+                    (0, 0)
+                },
+                // -1 where it has none (an `O_PATH` fd).
+                offset: libc::lseek(fd, 0, libc::SEEK_CUR),
                 status_flags: libc::fcntl(fd, libc::F_GETFL),
                 fd_flags: libc::fcntl(fd, libc::F_GETFD),
+                owner: libc::fcntl(fd, libc::F_GETOWN),
+                signal: libc::fcntl(fd, F_GETSIG),
             })
         }
     }
@@ -65,7 +90,8 @@ impl std::fmt::Display for Replaced {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "fd {} no longer holds {}, which the runtime opened there",
+            "fd {}, where the runtime keeps {}, was changed (another file put there, \
+             or its offset, flags or signal owner)",
             self.fd, self.name
         )
     }
@@ -85,16 +111,35 @@ impl Pinned {
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        Pinned::adopt(fd, path.to_str().unwrap_or("a file"))
+        Pinned::pin(fd, path.to_str().unwrap_or("a file"), true)
     }
 
-    /// Pins `fd`, just opened and handed over.
+    /// Pins `fd`, just opened and handed over: a file outside `/proc`,
+    /// whose change time is not part of what it is.
     pub fn adopt(fd: RawFd, name: &'static str) -> std::io::Result<Pinned> {
+        Pinned::pin(fd, name, false)
+    }
+
+    fn pin(fd: RawFd, name: &'static str, fixed_time: bool) -> std::io::Result<Pinned> {
         let fd = crate::fds::out_of_the_way(fd);
-        let Some(opened) = Identity::of(fd) else {
+        let Some(opened) = Identity::of(fd, fixed_time) else {
             return Err(std::io::Error::last_os_error());
         };
-        Ok(Pinned { fd, name, opened })
+        Ok(Pinned {
+            fd,
+            name,
+            opened,
+            fixed_time,
+        })
+    }
+
+    /// Takes what it holds now as what it was opened on: after the
+    /// runtime's own change to the file (the snapshot's memfd, sized and
+    /// sealed once it is taken).
+    pub fn settle(&mut self) -> std::io::Result<()> {
+        self.opened =
+            Identity::of(self.fd, self.fixed_time).ok_or_else(std::io::Error::last_os_error)?;
+        Ok(())
     }
 
     /// Its number, unchecked: for telling it apart in a listing of fds.
@@ -107,39 +152,25 @@ impl Pinned {
         self.name
     }
 
+    /// The device and inode of the file it was opened on.
+    pub fn inode(&self) -> (u64, u64) {
+        (self.opened.dev, self.opened.ino)
+    }
+
     /// Reads the whole file from its start into `into` (a file below
     /// `/proc` is made anew by a read from offset 0).
     pub fn read_all(&self, into: &mut Vec<u8>) -> std::io::Result<()> {
         let fd = self
             .fd()
             .map_err(|replaced| std::io::Error::other(replaced.to_string()))?;
-        let mut buffer = [0u8; 4096];
-        let from = into.len();
-        loop {
-            // SAFETY: reads into a local buffer, within its length.
-            let n = unsafe {
-                libc::pread(
-                    fd,
-                    buffer.as_mut_ptr().cast(),
-                    buffer.len(),
-                    (into.len() - from) as libc::off_t,
-                )
-            };
-            if n < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if n == 0 {
-                return Ok(());
-            }
-            into.extend_from_slice(&buffer[..n as usize]);
-        }
+        read_whole(fd, into)
     }
 
     /// The fd, where it still holds what it was opened on, as it was then.
     /// No allocation: the put-back checks its fds while the heap is the
     /// call's.
     pub fn fd(&self) -> Result<RawFd, Replaced> {
-        if Identity::of(self.fd) == Some(self.opened) {
+        if Identity::of(self.fd, self.fixed_time) == Some(self.opened) {
             Ok(self.fd)
         } else {
             Err(Replaced {
@@ -206,7 +237,7 @@ impl ProcSelf {
             if fd < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Pinned::adopt(fd, "/proc/self/task/*/children")?
+            Pinned::pin(fd, "/proc/self/task/*/children", true)?
         };
         Ok(ProcSelf {
             fds: listed(c"fd")?,
@@ -245,20 +276,32 @@ impl ProcSelf {
     }
 }
 
-/// The names in the directory `dir` holds, `.` and `..` left out, read
-/// from its start.
-pub fn list(dir: &Pinned, names: &mut Vec<u8>) -> Result<(), Replaced> {
-    let fd = dir.fd()?;
+/// The names in the directory `dir` holds, `.` and `..` left out, each
+/// NUL-terminated, read from its start; the directory rewound after.
+pub fn list(dir: &Pinned, names: &mut Vec<u8>) -> std::io::Result<()> {
+    let fd = dir
+        .fd()
+        .map_err(|replaced| std::io::Error::other(replaced.to_string()))?;
+    list_fd(fd, names)
+}
+
+/// [`list`], of a directory fd already checked.
+pub fn list_fd(fd: RawFd, names: &mut Vec<u8>) -> std::io::Result<()> {
     names.clear();
-    // SAFETY: rewinds our own directory fd.
-    unsafe { libc::lseek(fd, 0, libc::SEEK_SET) };
+    let rewind = || {
+        // SAFETY: rewinds our own directory fd.
+        unsafe { libc::lseek(fd, 0, libc::SEEK_SET) }
+    };
+    rewind();
     let mut buffer = [0u8; 4096];
     loop {
         // SAFETY: getdents64 writes at most the buffer's length into it.
         let n =
             unsafe { libc::syscall(libc::SYS_getdents64, fd, buffer.as_mut_ptr(), buffer.len()) };
         if n <= 0 {
-            return Ok(());
+            let error = std::io::Error::last_os_error();
+            rewind();
+            return if n < 0 { Err(error) } else { Ok(()) };
         }
         let mut at = 0;
         while at < n as usize {
@@ -273,6 +316,31 @@ pub fn list(dir: &Pinned, names: &mut Vec<u8>) -> Result<(), Replaced> {
             }
             at += reclen;
         }
+    }
+}
+
+/// Reads the whole file `fd` holds, from its start, into `into` (a file
+/// below `/proc` is made anew by a read from offset 0).
+pub fn read_whole(fd: RawFd, into: &mut Vec<u8>) -> std::io::Result<()> {
+    let mut buffer = [0u8; 4096];
+    let from = into.len();
+    loop {
+        // SAFETY: reads into a local buffer, within its length.
+        let n = unsafe {
+            libc::pread(
+                fd,
+                buffer.as_mut_ptr().cast(),
+                buffer.len(),
+                (into.len() - from) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        into.extend_from_slice(&buffer[..n as usize]);
     }
 }
 
@@ -296,6 +364,28 @@ mod tests {
         );
         // SAFETY: closes the stranger at the pinned number, ours.
         unsafe { libc::close(status.number()) };
+        // The number is free now: another test may have it by the drop.
+        std::mem::forget(status);
+    }
+
+    const F_SETSIG: libc::c_int = 10;
+
+    #[test]
+    fn a_pinned_fd_moved_or_given_a_signal_is_found_changed() {
+        let status = Pinned::open(None, c"/proc/self/status", libc::O_RDONLY).unwrap();
+        let fd = status.number();
+        // SAFETY: lseek and fcntl on this test's own fd.
+        unsafe { libc::lseek(fd, 7, libc::SEEK_SET) };
+        assert!(status.fd().is_err(), "a moved offset");
+        // SAFETY: as above.
+        unsafe { libc::lseek(fd, 0, libc::SEEK_SET) };
+        assert_eq!(status.fd(), Ok(fd));
+        // SAFETY: as above.
+        unsafe { libc::fcntl(fd, F_SETSIG, libc::SIGUSR1) };
+        assert!(status.fd().is_err(), "a signal for its SIGIO");
+        // SAFETY: as above.
+        unsafe { libc::fcntl(fd, F_SETSIG, 0) };
+        assert_eq!(status.fd(), Ok(fd));
     }
 
     #[test]
@@ -315,6 +405,7 @@ mod tests {
         let mut names = Vec::new();
         for _ in 0..2 {
             list(&proc_self.namespaces, &mut names).unwrap();
+            assert_eq!(proc_self.namespaces.fd(), Ok(proc_self.namespaces.number()));
             let listed: Vec<&[u8]> = names.split(|&b| b == 0).filter(|n| !n.is_empty()).collect();
             assert!(listed.contains(&&b"mnt"[..]), "{listed:?}");
             assert!(!listed.contains(&&b"."[..]));

@@ -34,14 +34,15 @@ impl State {
             text: String::with_capacity(32 * 1024),
             items: Vec::with_capacity(256),
         };
-        fds(&mut state, proc, kept);
-        tasks(&mut state, proc);
+        let at = Source::new(proc, kept);
+        fds(&mut state, &at);
+        tasks(&mut state, &at);
         signals(&mut state);
-        places(&mut state, proc);
+        places(&mut state, &at);
         limits(&mut state);
-        status(&mut state, proc);
-        timers(&mut state, proc);
-        identity(&mut state, proc);
+        status(&mut state, &at);
+        timers(&mut state, &at);
+        identity(&mut state, &at);
         scheduling(&mut state);
         state
     }
@@ -102,14 +103,14 @@ impl Item<'_> {
     }
 
     /// The value is a file's content (lossy UTF-8), or why it is unreadable.
-    fn file(self, file: &Pinned) {
-        read_into(file, &mut self.state.text);
+    fn file(self, at: &Source<'_>, file: &Pinned) {
+        read_into(at, file, &mut self.state.text);
     }
 
     /// The value is where a link below `dir` points, or why it is
     /// unreadable.
-    fn link(self, dir: &Pinned, path: &CStr) {
-        link_into(dir, path, &mut self.state.text);
+    fn link(self, at: &Source<'_>, dir: &Pinned, path: &CStr) {
+        link_into(at, dir, path, &mut self.state.text);
     }
 
     fn text(&mut self) -> &mut String {
@@ -136,11 +137,49 @@ fn shorten(text: &str) -> String {
     format!("{}…", &text[..cut])
 }
 
+/// Where the state is read from: `/proc/self`'s files, and every fd the
+/// runtime keeps, each checked once for the read (five system calls a
+/// check), however often it is read through.
+struct Source<'a> {
+    proc: &'a ProcSelf,
+    kept: &'a [&'a Pinned],
+    replaced: Vec<pinned::Replaced>,
+}
+
+impl<'a> Source<'a> {
+    fn new(proc: &'a ProcSelf, kept: &'a [&'a Pinned]) -> Source<'a> {
+        let replaced = kept.iter().filter_map(|pin| pin.fd().err()).collect();
+        Source {
+            proc,
+            kept,
+            replaced,
+        }
+    }
+
+    /// `pin`'s fd as checked for this read, never one replaced (a call's
+    /// file at its number could be anything: `/dev/zero`, read to its
+    /// end, has none). A pin not among those kept is checked now.
+    fn fd(&self, pin: &Pinned) -> Result<RawFd, pinned::Replaced> {
+        if let Some(replaced) = self.replaced.iter().find(|r| r.fd == pin.number()) {
+            return Err(*replaced);
+        }
+        if self.kept.iter().any(|kept| std::ptr::eq(*kept, pin)) {
+            Ok(pin.number())
+        } else {
+            pin.fd()
+        }
+    }
+}
+
 /// Appends a file's content to `into` (lossy UTF-8), read from its start,
 /// or why it could not be read.
-fn read_into(file: &Pinned, into: &mut String) {
+fn read_into(at: &Source<'_>, file: &Pinned, into: &mut String) {
     let mut bytes = Vec::with_capacity(4096);
-    match file.read_all(&mut bytes) {
+    let read = at
+        .fd(file)
+        .map_err(|replaced| std::io::Error::other(replaced.to_string()))
+        .and_then(|fd| pinned::read_whole(fd, &mut bytes));
+    match read {
         Ok(()) => into.push_str(&String::from_utf8_lossy(&bytes)),
         Err(error) => {
             let _ = write!(into, "unreadable ({error})");
@@ -170,8 +209,8 @@ fn push_joined<'a>(
 
 /// Appends where link `path` below `dir` points to `into`: `false`, and
 /// nothing appended, if it is gone; why, if `dir` is not the runtime's.
-fn link_into(dir: &Pinned, path: &CStr, into: &mut String) -> bool {
-    let dir = match dir.fd() {
+fn link_into(at: &Source<'_>, dir: &Pinned, path: &CStr, into: &mut String) -> bool {
+    let dir = match at.fd(dir) {
         Ok(fd) => fd,
         Err(replaced) => {
             let _ = write!(into, "unreadable ({replaced})");
@@ -190,9 +229,12 @@ fn link_into(dir: &Pinned, path: &CStr, into: &mut String) -> bool {
 }
 
 /// The names `dir` lists, each NUL-terminated, or why they are unreadable.
-fn names_in(dir: &Pinned) -> Result<Vec<u8>, pinned::Replaced> {
+fn names_in(at: &Source<'_>, dir: &Pinned) -> std::io::Result<Vec<u8>> {
+    let fd = at
+        .fd(dir)
+        .map_err(|replaced| std::io::Error::other(replaced.to_string()))?;
     let mut names = Vec::with_capacity(1024);
-    pinned::list(dir, &mut names)?;
+    pinned::list_fd(fd, &mut names)?;
     Ok(names)
 }
 
@@ -204,11 +246,12 @@ fn each_name(names: &[u8]) -> impl Iterator<Item = &CStr> {
 
 /// Each open fd: what it is, its offset and its flags, and the locks held.
 /// An fd the runtime keeps is what it was opened on, or replaced.
-fn fds(state: &mut State, proc: &ProcSelf, kept: &[&Pinned]) {
-    let names = match names_in(&proc.fds) {
+fn fds(state: &mut State, at: &Source<'_>) {
+    let proc = at.proc;
+    let names = match names_in(at, &proc.fds) {
         Ok(names) => names,
-        Err(replaced) => {
-            state.add("fds", format_args!("unreadable ({replaced})"));
+        Err(why) => {
+            state.add("fds", format_args!("unreadable ({why})"));
             return;
         }
     };
@@ -216,46 +259,75 @@ fn fds(state: &mut State, proc: &ProcSelf, kept: &[&Pinned]) {
         .filter_map(|name| Some((name.to_str().ok()?.parse().ok()?, name)))
         .collect();
     numbers.sort_unstable();
+    // Every open file's `major:minor:inode`, as `/proc/locks` names it.
+    let mut files = Vec::with_capacity(numbers.len());
     let mut target = String::new();
     for (fd, name) in numbers {
-        if let Some(pin) = kept.iter().find(|pin| pin.number() == fd) {
+        if let Some(pin) = at.kept.iter().find(|pin| pin.number() == fd) {
             let item = state.name(format_args!("fd {fd}"));
-            match pin.fd() {
+            match at.fd(pin) {
                 Ok(_) => item.write(format_args!("kept: {}", pin.name())),
                 Err(replaced) => item.write(format_args!("{replaced}")),
             }
+            files.push(lock_name(pin.inode()));
             continue;
         }
         target.clear();
-        if !link_into(&proc.fds, name, &mut target) {
+        if !link_into(at, &proc.fds, name, &mut target) {
             // Closed since it was listed.
             continue;
         }
         let mut item = state.name(format_args!("fd {fd}"));
         let text = item.text();
         text.push_str(&target);
-        describe_fd(text, fd, &target, proc);
+        let file = describe_fd(text, fd, &target, at);
+        // The standard streams' files are the runtime's and beyond (a log
+        // file others may lock): their locks are seen by this pid only.
+        if fd > 2 {
+            files.push(lock_name(file));
+        }
     }
+    // The locks this process holds (a POSIX lock names its pid), and any
+    // lock on a file it has open: an open file description's lock (an
+    // OFD lock names no pid, -1) or a `flock` a child of the call took
+    // through an fd it shares (its pid).
     let pid = std::process::id().to_string();
     let mut locks = String::new();
-    read_into(&proc.locks, &mut locks);
-    let ours = locks
+    read_into(at, &proc.locks, &mut locks);
+    let held = locks
         .lines()
-        .filter(|l| l.split_whitespace().nth(4) == Some(pid.as_str()))
-        .map(|l| l.split_whitespace().skip(1));
-    push_joined(state.name(format_args!("file locks")).text(), ours, "; ");
+        .map(|line| {
+            line.split_whitespace()
+                .filter(|w| *w != "->")
+                .collect::<Vec<_>>()
+        })
+        .filter(|words| {
+            words.get(4) == Some(&pid.as_str())
+                || words
+                    .get(5)
+                    .is_some_and(|file| files.iter().any(|f| f == file))
+        })
+        .map(|words| words.into_iter().skip(1));
+    push_joined(state.name(format_args!("file locks")).text(), held, "; ");
+}
+
+/// A file as `/proc/locks` names it: `major:minor:inode`, hex device.
+fn lock_name((dev, ino): (u64, u64)) -> String {
+    format!("{:02x}:{:02x}:{ino}", libc::major(dev), libc::minor(dev))
 }
 
 /// Appends what open fd `fd` (a link to `target`) is beyond its file: the
 /// file's inode, its offset (not for the standard streams: they are
 /// shared with the runtime, in every isolation, and output moves them),
-/// its flags. An fd that is no file, pipe or socket (an epoll, a
-/// signalfd, an inotify, a timerfd, an eventfd, a pidfd) also what it
-/// watches or holds, from its fdinfo, less what moves on its own.
-fn describe_fd(text: &mut String, fd: RawFd, target: &str, proc: &ProcSelf) {
+/// its flags, who gets its `SIGIO` and as which signal, a pipe's size. An
+/// fd that is no file, pipe or socket (an epoll, a signalfd, an inotify,
+/// a timerfd, an eventfd, a pidfd, a device) also what it watches or
+/// holds, from its fdinfo, less what moves on its own. Its device and
+/// inode.
+fn describe_fd(text: &mut String, fd: RawFd, target: &str, at: &Source<'_>) -> (u64, u64) {
     // SAFETY: reads of an fd of this process: fstat into a zeroed struct,
     // fcntl's and lseek's reads touch no memory.
-    let (inode, offset, status_flags, fd_flags) = unsafe {
+    let (inode, offset, status_flags, fd_flags, owner, signal) = unsafe {
         let mut stat: libc::stat = std::mem::zeroed();
         libc::fstat(fd, &mut stat);
         (
@@ -263,19 +335,30 @@ fn describe_fd(text: &mut String, fd: RawFd, target: &str, proc: &ProcSelf) {
             libc::lseek(fd, 0, libc::SEEK_CUR),
             libc::fcntl(fd, libc::F_GETFL),
             libc::fcntl(fd, libc::F_GETFD),
+            libc::fcntl(fd, libc::F_GETOWN),
+            libc::fcntl(fd, pinned::F_GETSIG),
         )
     };
     let _ = write!(text, " (inode {}:{}", inode.0, inode.1);
     if fd > 2 {
         let _ = write!(text, ", pos {offset}");
     }
-    let _ = write!(text, ", flags {status_flags:o}, fd flags {fd_flags}");
-    let plain =
-        target.starts_with('/') || target.starts_with("pipe:") || target.starts_with("socket:");
+    let _ = write!(
+        text,
+        ", flags {status_flags:o}, fd flags {fd_flags}, owner {owner}, signal {signal}"
+    );
+    if target.starts_with("pipe:") {
+        // SAFETY: as above.
+        let size = unsafe { libc::fcntl(fd, libc::F_GETPIPE_SZ) };
+        let _ = write!(text, ", size {size}");
+    }
+    let plain = (target.starts_with('/') && !target.starts_with("/dev/"))
+        || target.starts_with("pipe:")
+        || target.starts_with("socket:");
     if !plain {
         let mut info = String::new();
         let path = format!("fdinfo/{fd}\0");
-        read_fdinfo(proc, &path, &mut info);
+        read_fdinfo(at, &path, &mut info);
         let kept = info.lines().filter(|line| {
             !(line.starts_with("pos:")
                 || line.starts_with("flags:")
@@ -289,11 +372,12 @@ fn describe_fd(text: &mut String, fd: RawFd, target: &str, proc: &ProcSelf) {
         push_joined(text, kept.map(str::split_whitespace), ", ");
     }
     text.push(')');
+    inode
 }
 
 /// Appends `/proc/self/` + `path` (NUL-terminated), opened and read whole.
-fn read_fdinfo(proc: &ProcSelf, path: &str, into: &mut String) {
-    let dir = match proc.dir.fd() {
+fn read_fdinfo(at: &Source<'_>, path: &str, into: &mut String) {
+    let dir = match at.fd(&at.proc.dir) {
         Ok(fd) => fd,
         Err(replaced) => {
             let _ = write!(into, "unreadable ({replaced})");
@@ -312,13 +396,13 @@ fn read_fdinfo(proc: &ProcSelf, path: &str, into: &mut String) {
 }
 
 /// Threads, and child processes (a zombie is one).
-fn tasks(state: &mut State, proc: &ProcSelf) {
-    match names_in(&proc.tasks) {
+fn tasks(state: &mut State, at: &Source<'_>) {
+    match names_in(at, &at.proc.tasks) {
         Ok(names) => state.add("threads", format_args!("{}", each_name(&names).count())),
         Err(replaced) => state.add("threads", format_args!("unreadable ({replaced})")),
     }
     let mut item = state.name(format_args!("child processes"));
-    read_into(&proc.children, item.text());
+    read_into(at, &at.proc.children, item.text());
     trim_end(item.text());
 }
 
@@ -381,15 +465,18 @@ fn word(set: &libc::sigset_t) -> u64 {
 }
 
 /// Where it is: the working directory, the root, its cgroup, namespaces.
-fn places(state: &mut State, proc: &ProcSelf) {
-    state.name(format_args!("cwd")).link(&proc.dir, c"cwd");
-    state.name(format_args!("root")).link(&proc.dir, c"root");
-    state.name(format_args!("exe")).link(&proc.dir, c"exe");
+fn places(state: &mut State, at: &Source<'_>) {
+    let proc = at.proc;
+    state.name(format_args!("cwd")).link(at, &proc.dir, c"cwd");
+    state
+        .name(format_args!("root"))
+        .link(at, &proc.dir, c"root");
+    state.name(format_args!("exe")).link(at, &proc.dir, c"exe");
     let mut item = state.name(format_args!("cgroup"));
-    read_into(&proc.cgroup, item.text());
+    read_into(at, &proc.cgroup, item.text());
     trim_end(item.text());
     drop(item);
-    let names = match names_in(&proc.namespaces) {
+    let names = match names_in(at, &proc.namespaces) {
         Ok(names) => names,
         Err(replaced) => {
             state.add("namespaces", format_args!("unreadable ({replaced})"));
@@ -401,7 +488,7 @@ fn places(state: &mut State, proc: &ProcSelf) {
     for name in names {
         state
             .name(format_args!("namespace {}", name.to_string_lossy()))
-            .link(&proc.namespaces, name);
+            .link(at, &proc.namespaces, name);
     }
 }
 
@@ -425,7 +512,7 @@ fn limits(state: &mut State) {
 
 /// From `/proc/self/status`: credentials and capabilities, the umask,
 /// seccomp, no_new_privs, speculation controls.
-fn status(state: &mut State, proc: &ProcSelf) {
+fn status(state: &mut State, at: &Source<'_>) {
     const KEPT: &[&str] = &[
         "Umask",
         "Uid",
@@ -444,7 +531,7 @@ fn status(state: &mut State, proc: &ProcSelf) {
         "THP_enabled",
     ];
     let mut text = String::new();
-    read_into(&proc.status, &mut text);
+    read_into(at, &at.proc.status, &mut text);
     for line in text.lines() {
         if let Some((key, value)) = line.split_once(':')
             && KEPT.contains(&key)
@@ -457,7 +544,7 @@ fn status(state: &mut State, proc: &ProcSelf) {
 }
 
 /// Interval timers, POSIX timers, the timer slack.
-fn timers(state: &mut State, proc: &ProcSelf) {
+fn timers(state: &mut State, at: &Source<'_>) {
     for (name, which) in [
         ("ITIMER_REAL", libc::ITIMER_REAL),
         ("ITIMER_VIRTUAL", libc::ITIMER_VIRTUAL),
@@ -476,7 +563,9 @@ fn timers(state: &mut State, proc: &ProcSelf) {
             timer.it_interval.tv_sec, timer.it_interval.tv_usec
         ));
     }
-    state.name(format_args!("posix timers")).file(&proc.timers);
+    state
+        .name(format_args!("posix timers"))
+        .file(at, &at.proc.timers);
     // SAFETY: prctl reads.
     let slack = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
     state.add("timer slack", format_args!("{slack}"));
@@ -485,10 +574,11 @@ fn timers(state: &mut State, proc: &ProcSelf) {
 /// How it is named and what it runs with: the environment and arguments
 /// as the kernel holds them, its name, its session and group, prctl's
 /// settings, its personality.
-fn identity(state: &mut State, proc: &ProcSelf) {
-    state.name(format_args!("environ")).file(&proc.environ);
-    state.name(format_args!("cmdline")).file(&proc.cmdline);
-    state.name(format_args!("comm")).file(&proc.comm);
+fn identity(state: &mut State, at: &Source<'_>) {
+    let proc = at.proc;
+    state.name(format_args!("environ")).file(at, &proc.environ);
+    state.name(format_args!("cmdline")).file(at, &proc.cmdline);
+    state.name(format_args!("comm")).file(at, &proc.comm);
     // SAFETY: plain reads of this process's ids and settings.
     let (sid, pgid, personality) = unsafe {
         (
@@ -519,7 +609,7 @@ fn identity(state: &mut State, proc: &ProcSelf) {
     }
     item.write(format_args!("pdeathsig={signal} subreaper={subreaper}"));
     let mut item = state.name(format_args!("oom_score_adj"));
-    read_into(&proc.oom_score_adj, item.text());
+    read_into(at, &proc.oom_score_adj, item.text());
     trim_end(item.text());
 }
 
@@ -560,12 +650,14 @@ mod tests {
     #[test]
     fn the_files_below_proc_self_are_read_through_its_kept_fds() {
         let proc = ProcSelf::open().unwrap();
+        let all = proc.all();
+        let at = Source::new(&proc, &all);
         let mut status = String::new();
-        read_into(&proc.status, &mut status);
+        read_into(&at, &proc.status, &mut status);
         let pid = format!("\nPid:\t{}\n", std::process::id());
         assert!(status.contains(&pid), "{status}");
         let mut cwd = String::new();
-        assert!(link_into(&proc.dir, c"cwd", &mut cwd));
+        assert!(link_into(&at, &proc.dir, c"cwd", &mut cwd));
         assert_eq!(std::path::Path::new(&cwd), std::env::current_dir().unwrap());
         let state = State::read(&proc, &proc.all());
         let items = state.by_name();
@@ -588,10 +680,15 @@ mod tests {
         };
         let after = State::read(&proc, &proc.all());
         let change = after.changed_from(&before).expect("a change");
-        assert!(change.contains("no longer holds /proc/self"), "{change}");
+        assert!(
+            change.contains("where the runtime keeps /proc/self,"),
+            "{change}"
+        );
         assert!(after.by_name()["cwd"].starts_with("unreadable"));
         // SAFETY: closes the stranger at the kept number, this test's own.
         unsafe { libc::close(proc.dir.number()) };
+        // The number is free now: another test may have it by the drop.
+        std::mem::forget(proc);
     }
 
     #[test]

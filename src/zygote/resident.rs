@@ -348,8 +348,19 @@ impl Residents {
                     None if idle.len() <= 1 => return None,
                     // Whichever is put back first: waiting on one in
                     // particular would leave another, put back meanwhile,
-                    // idle.
-                    None => idle.swap_remove(first_to_say_its_word(idle)),
+                    // idle. None within the time: all retired, and the
+                    // call gets a fresh fork.
+                    None => match first_to_say_its_word(idle) {
+                        Some(at) => idle.swap_remove(at),
+                        None => {
+                            tracing::info!(
+                                "no resident was put back within {PUT_BACK_WITHIN:?}; \
+                                 they are retired, and the next call gets a fresh fork"
+                            );
+                            self.retire(key, &mut land);
+                            return None;
+                        }
+                    },
                 }
             } else {
                 idle.pop()?
@@ -436,23 +447,28 @@ impl Residents {
     }
 }
 
-/// The one of `idle` (not empty) that says its word first; the last, if
-/// none does within [`PUT_BACK_WITHIN`] (its put-back then says why).
-fn first_to_say_its_word(idle: &[Resident]) -> usize {
+/// The one of `idle` that says its word first, or `None` if none does
+/// within [`PUT_BACK_WITHIN`].
+fn first_to_say_its_word(idle: &[Resident]) -> Option<usize> {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-    let mut fds: Vec<PollFd> = idle
-        .iter()
-        .map(|resident| PollFd::new(resident.control.as_fd(), PollFlags::POLLIN))
-        .collect();
-    let within =
-        PollTimeout::try_from(PUT_BACK_WITHIN.as_millis() as u64).unwrap_or(PollTimeout::MAX);
-    let said = match poll(&mut fds, within) {
-        Ok(n) if n > 0 => fds
+    let deadline = std::time::Instant::now() + PUT_BACK_WITHIN;
+    loop {
+        let mut fds: Vec<PollFd> = idle
             .iter()
-            .position(|fd| fd.revents().is_some_and(|events| !events.is_empty())),
-        _ => None,
-    };
-    said.unwrap_or(idle.len() - 1)
+            .map(|resident| PollFd::new(resident.control.as_fd(), PollFlags::POLLIN))
+            .collect();
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let within = PollTimeout::try_from(left.as_millis() as u64).unwrap_or(PollTimeout::MAX);
+        match poll(&mut fds, within) {
+            Ok(n) if n > 0 => {
+                return fds
+                    .iter()
+                    .position(|fd| fd.revents().is_some_and(|events| !events.is_empty()));
+            }
+            Err(nix::errno::Errno::EINTR) if !left.is_zero() => continue,
+            _ => return None,
+        }
+    }
 }
 
 /// A blocked system call as `/proc/PID/syscall` shows it, less what the
