@@ -441,8 +441,10 @@ impl<'a> Calls<'a> {
         let mut set = PollSet::new();
         let also = also.map(|also| set.fd(also, PollFlags::POLLIN));
         // A call left for later wakes this once a resident is put back.
-        for control in self.being_put_back() {
-            set.fd(control, PollFlags::POLLIN);
+        if self.in_turn {
+            for control in self.being_put_back() {
+                set.fd(control, PollFlags::POLLIN);
+            }
         }
         let watched: Vec<Watched> = self
             .running

@@ -521,20 +521,9 @@ impl Watched {
 
 /// A `/proc` file read whole from its start (where it is made anew).
 fn read_from_start(file: &Claimed) -> std::io::Result<String> {
-    let mut buffer = [0u8; 1024];
-    // SAFETY: reads into a local buffer, within its length.
-    let n = unsafe {
-        libc::pread(
-            file.as_raw_fd(),
-            buffer.as_mut_ptr().cast(),
-            buffer.len(),
-            0,
-        )
-    };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(String::from_utf8_lossy(&buffer[..n as usize]).into_owned())
+    let mut bytes = Vec::with_capacity(1024);
+    crate::reset::pinned::read_whole(file.as_raw_fd(), &mut bytes)?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// How long the zygote yields to a resident on its way to its wait before
