@@ -138,12 +138,20 @@ pub struct Restored {
 pub struct Snapshot {
     keep: *mut Keep,
     scan: Scan,
-    /// An open `/proc/self/maps` that answers `PROCMAP_QUERY`, where the
-    /// kernel has it (else the text is read and parsed).
-    query: Option<RawFd>,
+    /// How its mappings are read.
+    maps: Maps,
     /// The fds of the three, checked before each restore: a call can put
     /// a file of its own at their numbers.
     kept: Vec<Pinned>,
+}
+
+/// How the mappings are read, from `/proc/self/maps` kept open.
+#[derive(Clone, Copy)]
+enum Maps {
+    /// `PROCMAP_QUERY` (6.11 and later): a mapping an ioctl, no paths.
+    Query(RawFd),
+    /// The text, parsed.
+    Text(RawFd),
 }
 
 /// How written pages are found.
@@ -163,7 +171,7 @@ impl Snapshot {
         let keep = reserve_keep()?;
         let mut kept = Vec::with_capacity(3);
         let scan = open_scan(&mut kept)?;
-        let query = open_query(&mut kept)?;
+        let maps = open_maps(&mut kept)?;
         // SAFETY: memfd_create with a static name.
         let memfd = unsafe {
             libc::memfd_create(
@@ -179,13 +187,13 @@ impl Snapshot {
         // SAFETY: a fresh mapping, zeroed, the size of Keep.
         unsafe {
             (*keep).memfd = memfd.number();
-            (*keep).memfd_inode = inode_of(memfd.number());
+            (*keep).memfd_inode = memfd.inode().1;
         }
         kept.push(memfd);
         Ok(Snapshot {
             keep,
             scan,
-            query,
+            maps,
             kept,
         })
     }
@@ -199,7 +207,7 @@ impl Snapshot {
         let _blocked = BlockedSignals::new();
         // SAFETY: Keep lives as long as the process, used by this thread.
         let k = unsafe { &mut *keep };
-        read_maps(k, self.query, false)?;
+        read_maps(k, self.maps, false)?;
         // Which mappings to keep, and where each goes in the memfd.
         let mut size = 0;
         k.regions = 0;
@@ -283,7 +291,7 @@ impl Snapshot {
         k.view = view as usize;
         // SAFETY: brk(0) reads the break.
         k.brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as usize;
-        read_maps(k, self.query, true)?;
+        read_maps(k, self.maps, true)?;
         protect_keep(keep, libc::PROT_READ);
         Ok(())
     }
@@ -319,7 +327,7 @@ impl Snapshot {
         // back (and its region is mapped again below).
         // SAFETY: brk to an address this process's heap had.
         unsafe { libc::syscall(libc::SYS_brk, k.brk) };
-        read_maps(k, self.query, false)?;
+        read_maps(k, self.maps, false)?;
         // Mappings the call made, or changed: gone. A snapshot region among
         // them is mapped again whole below; any other mapping the snapshot
         // had (code, read-only data, a shared mapping) cannot be put back.
@@ -479,15 +487,6 @@ fn in_layout(k: &Keep, mapping: &Mapping) -> bool {
 /// Whether `layout`'s mapping is there now, as the snapshot had it.
 fn in_now(k: &Keep, layout: &Mapping) -> bool {
     (k.now[..k.current].binary_search_by(|m| m.order(layout))).is_ok()
-}
-
-fn inode_of(fd: RawFd) -> u64 {
-    // SAFETY: fstat into a zeroed struct.
-    unsafe {
-        let mut stat: libc::stat = std::mem::zeroed();
-        libc::fstat(fd, &mut stat);
-        stat.st_ino
-    }
 }
 
 /// The exit code of a resident whose snapshot failed half-way: its memory
@@ -726,16 +725,6 @@ fn reserve_keep() -> Result<*mut Keep, MemoryError> {
     Ok(at.cast())
 }
 
-/// `path` opened to read, close-on-exec (no allocation but a failure's).
-fn open_read_only(path: &std::ffi::CStr) -> Result<RawFd, MemoryError> {
-    // SAFETY: open with a NUL-terminated path.
-    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(os_error(&format!("opening {}", path.to_string_lossy())));
-    }
-    Ok(fd)
-}
-
 /// `path` opened to read for the snapshot's life (pinned, into `kept`).
 fn open_kept(path: &'static std::ffi::CStr, kept: &mut Vec<Pinned>) -> Result<RawFd, MemoryError> {
     let pinned = Pinned::open(None, path, libc::O_RDONLY)
@@ -745,41 +734,43 @@ fn open_kept(path: &'static std::ffi::CStr, kept: &mut Vec<Pinned>) -> Result<Ra
     Ok(fd)
 }
 
-/// `/proc/self/maps`, open, where it answers `PROCMAP_QUERY`.
-fn open_query(kept: &mut Vec<Pinned>) -> Result<Option<RawFd>, MemoryError> {
+/// `/proc/self/maps`, open for the snapshot's life: queried where the
+/// kernel answers `PROCMAP_QUERY`, else read as text.
+fn open_maps(kept: &mut Vec<Pinned>) -> Result<Maps, MemoryError> {
     let fd = open_kept(c"/proc/self/maps", kept)?;
-    if maps::can_query(fd) {
-        return Ok(Some(fd));
-    }
-    kept.pop();
-    Ok(None)
+    Ok(if maps::can_query(fd) {
+        Maps::Query(fd)
+    } else {
+        Maps::Text(fd)
+    })
 }
 
 /// Reads this process's mappings into `k.now` (and, `as_layout`, into
-/// `k.laid_out` too), with no allocation: by `query` where there is one,
-/// else from the text of `/proc/self/maps`.
-fn read_maps(k: &mut Keep, query: Option<RawFd>, as_layout: bool) -> Result<(), MemoryError> {
-    if let Some(fd) = query {
-        let count = maps::query(fd, &mut k.now)
-            .map_err(|e| MemoryError(format!("reading the mappings: {e}")))?
-            .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
-        k.set_current(count, as_layout);
-        return Ok(());
-    }
-    let fd = open_read_only(c"/proc/self/maps")?;
+/// `k.laid_out` too), with no allocation.
+fn read_maps(k: &mut Keep, maps: Maps, as_layout: bool) -> Result<(), MemoryError> {
+    let fd = match maps {
+        Maps::Query(fd) => {
+            let count = maps::query(fd, &mut k.now)
+                .map_err(|e| MemoryError(format!("reading the mappings: {e}")))?
+                .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
+            k.set_current(count, as_layout);
+            return Ok(());
+        }
+        Maps::Text(fd) => fd,
+    };
+    // From its start: the text is made anew by a read from offset 0.
     let mut length = 0;
     loop {
         // SAFETY: reads into Keep's buffer, within its bounds.
         let n = unsafe {
-            libc::read(
+            libc::pread(
                 fd,
                 k.maps_text[length..].as_mut_ptr().cast(),
                 MAPS_BYTES - length,
+                length as libc::off_t,
             )
         };
         if n < 0 {
-            // SAFETY: closing our fd.
-            unsafe { libc::close(fd) };
             return Err(os_error("reading /proc/self/maps"));
         }
         if n == 0 {
@@ -787,13 +778,9 @@ fn read_maps(k: &mut Keep, query: Option<RawFd>, as_layout: bool) -> Result<(), 
         }
         length += n as usize;
         if length == MAPS_BYTES {
-            // SAFETY: closing our fd.
-            unsafe { libc::close(fd) };
             return Err(MemoryError("/proc/self/maps is too long".into()));
         }
     }
-    // SAFETY: closing our fd.
-    unsafe { libc::close(fd) };
     let count = maps::parse(&k.maps_text[..length], &mut k.now)
         .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
     k.set_current(count, as_layout);

@@ -402,7 +402,10 @@ impl Zygote {
             flow: flow.to_string(),
             node: node.to_string(),
         };
-        self.runner.residents_being_put_back(&key)
+        match self.nodes.digest(&key) {
+            Some(digest) => self.runner.residents_being_put_back(&key, digest),
+            None => Vec::new(),
+        }
     }
 
     /// A resident whose run replied: it waits for its node's next run.

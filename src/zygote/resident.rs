@@ -338,14 +338,10 @@ impl Residents {
         }
         loop {
             let resident = if self.reset {
-                // One already put back first. Where the only one is still
-                // being put back, the call gets a second (forked by the
-                // caller): the put-back runs beside the next call, not
-                // before it. So a node has at most one more than it has
-                // calls in flight.
+                // One already put back first (`waits_for_put_back`).
                 match idle.iter().position(Resident::said_its_word) {
                     Some(at) => idle.swap_remove(at),
-                    None if idle.len() <= 1 => return None,
+                    None if !waits_for_put_back(idle, digest) => return None,
                     // Whichever is put back first: waiting on one in
                     // particular would leave another, put back meanwhile,
                     // idle. None within the time: all retired, and the
@@ -399,12 +395,11 @@ impl Residents {
     /// once its resident is; empty where it would not wait. A caller with
     /// more to do than wait (a sweep reading its other calls) polls these
     /// and takes one once it is ready.
-    pub(super) fn being_put_back(&self, key: &NodeKey) -> Vec<BorrowedFd<'_>> {
+    pub(super) fn being_put_back(&self, key: &NodeKey, digest: &str) -> Vec<BorrowedFd<'_>> {
         let Some(idle) = self.idle.get(key).filter(|_| self.reset) else {
             return Vec::new();
         };
-        let digests_agree = idle.windows(2).all(|pair| pair[0].digest == pair[1].digest);
-        if idle.len() <= 1 || !digests_agree || idle.iter().any(Resident::said_its_word) {
+        if !waits_for_put_back(idle, digest) {
             return Vec::new();
         }
         idle.iter()
@@ -445,6 +440,17 @@ impl Residents {
     pub(super) fn forget_inherited(&mut self) {
         std::mem::forget(std::mem::take(&mut self.idle));
     }
+}
+
+/// Whether taking one of `idle` for a call of source `digest` waits for
+/// a put-back: two or more, all of that source, none put back yet. (With
+/// one, the call gets a second resident instead, forked by the caller:
+/// the put-back runs beside the next call, not before it. So a node has at
+/// most one more than it has calls in flight.)
+fn waits_for_put_back(idle: &[Resident], digest: &str) -> bool {
+    idle.len() > 1
+        && idle.iter().all(|resident| resident.digest == digest)
+        && !idle.iter().any(Resident::said_its_word)
 }
 
 /// The one of `idle` that says its word first, or `None` if none does

@@ -276,8 +276,9 @@ impl Runner {
     pub(super) fn residents_being_put_back(
         &self,
         key: &super::node::NodeKey,
+        digest: &str,
     ) -> Vec<std::os::fd::BorrowedFd<'_>> {
-        self.residents.being_put_back(key)
+        self.residents.being_put_back(key, digest)
     }
 
     /// A resident whose call replied: it waits for its node's next call.
