@@ -7,13 +7,17 @@
 use std::os::fd::BorrowedFd;
 use std::time::Duration;
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::{PollFd, PollFlags, ppoll};
+use nix::sys::time::TimeSpec;
 use nix::unistd::Pid;
 
 use crate::process::ExitWatch;
 
 /// How often a child's exit is asked about where the kernel has no pidfd.
 pub const FALLBACK_POLL_MS: u16 = 50;
+
+/// The longest one wait lasts (a longer limit is cut to it).
+const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 /// What to wait for, then what is ready.
 #[derive(Default)]
@@ -69,16 +73,10 @@ impl<'a> PollSet<'a> {
             let fallback = Duration::from_millis(FALLBACK_POLL_MS.into());
             limit = Some(limit.map_or(fallback, |limit| limit.min(fallback)));
         }
-        // Rounded up: a wake for a deadline finds it past.
-        let timeout = match limit {
-            None => PollTimeout::NONE,
-            Some(limit) => {
-                let millis = limit.as_nanos().div_ceil(1_000_000);
-                PollTimeout::try_from(millis.min(i32::MAX as u128) as i32)
-                    .unwrap_or(PollTimeout::MAX)
-            }
-        };
-        match poll(&mut self.fds, timeout) {
+        // To the microsecond (a reset resident is looked at again after
+        // tens of them), where `poll` would round up to a millisecond.
+        let timeout = limit.map(|limit| TimeSpec::from_duration(limit.min(MAX_WAIT)));
+        match ppoll(&mut self.fds, timeout, None) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
             Err(error) => Err(error.into()),
         }

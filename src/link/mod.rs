@@ -384,6 +384,27 @@ pub struct Receiver {
     claiming: bool,
 }
 
+/// Where one `recvmsg` lands: its bytes and its control message.
+pub struct ReceiveSpace {
+    chunk: Box<[u8]>,
+    cmsg: Vec<u8>,
+}
+
+impl ReceiveSpace {
+    pub fn new() -> ReceiveSpace {
+        ReceiveSpace {
+            chunk: vec![0u8; 1 << 16].into_boxed_slice(),
+            cmsg: nix::cmsg_space!([RawFd; 16]),
+        }
+    }
+}
+
+impl Default for ReceiveSpace {
+    fn default() -> ReceiveSpace {
+        ReceiveSpace::new()
+    }
+}
+
 /// What one read from the socket gave.
 pub enum Received {
     /// Some bytes (perhaps no whole frame yet).
@@ -424,17 +445,27 @@ impl Receiver {
 
     /// One `recvmsg`: bytes into the buffer, fds into the queue.
     pub fn receive(&mut self, socket: BorrowedFd<'_>) -> std::io::Result<Received> {
+        self.receive_into(socket, &mut ReceiveSpace::new())
+    }
+
+    /// [`Receiver::receive`] through `space`, made beforehand: a reset
+    /// resident waits with nothing left to allocate or fault in (its
+    /// memory was just put back), so the zygote finds it at its wait at once.
+    pub fn receive_into(
+        &mut self,
+        socket: BorrowedFd<'_>,
+        space: &mut ReceiveSpace,
+    ) -> std::io::Result<Received> {
         if self.closed {
             return Ok(Received::Closed);
         }
-        let mut chunk = vec![0u8; 1 << 16];
-        let mut space = nix::cmsg_space!([RawFd; 16]);
+        let ReceiveSpace { chunk, cmsg } = space;
         let (read, fds) = loop {
-            let mut iov = [std::io::IoSliceMut::new(&mut chunk)];
+            let mut iov = [std::io::IoSliceMut::new(chunk)];
             match recvmsg::<()>(
                 socket.as_raw_fd(),
                 &mut iov,
-                Some(&mut space),
+                Some(&mut *cmsg),
                 MsgFlags::MSG_CMSG_CLOEXEC,
             ) {
                 Ok(message) => {

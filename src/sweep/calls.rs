@@ -16,7 +16,7 @@ use crate::poll_set::PollSet;
 use crate::process::ChildEnd;
 use crate::protocol::{Op, Request};
 use crate::zygote::flight::{Flight, Watched};
-use crate::zygote::resident::Resident;
+use crate::zygote::resident::{PutBackWait, Resident};
 use crate::zygote::{SpawnError, Zygote};
 
 /// How long a wait may block: a signal that lands between checking for it
@@ -255,7 +255,7 @@ impl<'a> Calls<'a> {
         index: usize,
         kwargs: &Map<String, Value>,
     ) -> Result<bool, String> {
-        if self.in_turn && !self.being_put_back().is_empty() {
+        if self.in_turn && self.waits_for_put_back() {
             // Not for ever: one that never says it is put back is taken,
             // and waited for, and retired when it is not.
             let since = *self.left_since.get_or_insert_with(Instant::now);
@@ -267,11 +267,13 @@ impl<'a> Calls<'a> {
         self.start(py, index, kwargs).map(|()| true)
     }
 
-    /// The control sockets of the node's residents being put back, where
-    /// starting a call would wait for them.
-    fn being_put_back(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
-        self.zygote
-            .residents_being_put_back(&self.node.flow, &self.node.name)
+    /// Whether starting a call would wait for a resident to be put back.
+    fn waits_for_put_back(&mut self) -> bool {
+        !matches!(
+            self.zygote
+                .residents_being_put_back(&self.node.flow, &self.node.name),
+            PutBackWait::No
+        )
     }
 
     /// Forks the standby children for the next calls, while these run.
@@ -435,15 +437,30 @@ impl<'a> Calls<'a> {
     /// The indices (into `running`) of calls with something to read, and of
     /// calls that exited, each ascending; and whether `also` is readable.
     fn wait(
-        &self,
+        &mut self,
         also: Option<std::os::fd::BorrowedFd<'_>>,
     ) -> Result<(Vec<usize>, Vec<usize>, bool), String> {
         let mut set = PollSet::new();
         let also = also.map(|also| set.fd(also, PollFlags::POLLIN));
+        let timeout = self.timeout;
         // A call left for later wakes this once a resident is put back.
-        if self.in_turn {
-            for control in self.being_put_back() {
-                set.fd(control, PollFlags::POLLIN);
+        let mut look_again = None;
+        if self.in_turn && self.left_since.is_some() {
+            match self
+                .zygote
+                .residents_being_put_back(&self.node.flow, &self.node.name)
+            {
+                PutBackWait::Until {
+                    words,
+                    look_again: after,
+                } => {
+                    for control in words {
+                        set.fd(control, PollFlags::POLLIN);
+                    }
+                    look_again = after;
+                }
+                // Put back since it was left: it starts at once.
+                PutBackWait::No => look_again = Some(Duration::ZERO),
             }
         }
         let watched: Vec<Watched> = self
@@ -457,10 +474,11 @@ impl<'a> Calls<'a> {
             .running
             .iter()
             .filter(|call| call.answer.replied_at.is_none())
-            .filter_map(|call| self.deadline(call))
+            .filter_map(|call| timeout.map(|timeout| call.child.flight().started + timeout))
             .min()
             .map(|nearest| nearest.saturating_duration_since(now));
         let wake = Duration::from_millis(WAKE_MS.into());
+        let wake = look_again.map_or(wake, |after| after.min(wake));
         set.wait(Some(nearest.map_or(wake, |nearest| nearest.min(wake))))
             .map_err(|e| format!("poll failed: {e}"))?;
         let also_ready = also.is_some_and(|also| set.ready(also));

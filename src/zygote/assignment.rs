@@ -281,7 +281,10 @@ pub fn next_assignment(control: RawFd) -> Option<Assignment> {
 /// In a reset resident: its next call, and where the call's owner reads it
 /// itself (a link's, `zygote::server`), the pipe its lines go down; `None`
 /// once the zygote closed the control socket. A garbled one ends the child.
-pub fn next_call(control: RawFd) -> Option<(Assignment, Option<OwnedFd>)> {
+pub fn next_call(
+    control: RawFd,
+    space: &mut crate::link::ReceiveSpace,
+) -> Option<(Assignment, Option<OwnedFd>)> {
     use crate::link::{Received, Receiver};
     // SAFETY: the control socket is this child's, open while it reads.
     let control = unsafe { std::os::fd::BorrowedFd::borrow_raw(control) };
@@ -300,7 +303,7 @@ pub fn next_call(control: RawFd) -> Option<(Assignment, Option<OwnedFd>)> {
             }
             Ok(Some(_)) | Err(_) => crate::process::exit_now(1),
             // Blocking: this is where the zygote sees it wait for a call.
-            Ok(None) => match receiver.receive(control) {
+            Ok(None) => match receiver.receive_into(control, space) {
                 Ok(Received::Data) => {}
                 Ok(Received::WouldBlock) => crate::process::exit_now(1),
                 Ok(Received::Closed) | Err(_) => return None,

@@ -390,21 +390,20 @@ impl Zygote {
             .map(|(resident, _)| resident)
     }
 
-    /// `--isolation reset`: where starting a resident for node
-    /// `flow`/`node` would wait for one to be put back, the control sockets
-    /// to poll for the first that is (empty: it would not wait).
+    /// `--isolation reset`: whether starting a resident for node
+    /// `flow`/`node` would wait for one to be put back, and for what.
     pub fn residents_being_put_back(
-        &self,
+        &mut self,
         flow: &str,
         node: &str,
-    ) -> Vec<std::os::fd::BorrowedFd<'_>> {
+    ) -> resident::PutBackWait<'_> {
         let key = NodeKey {
             flow: flow.to_string(),
             node: node.to_string(),
         };
         match self.nodes.digest(&key) {
             Some(digest) => self.runner.residents_being_put_back(&key, digest),
-            None => Vec::new(),
+            None => resident::PutBackWait::No,
         }
     }
 

@@ -57,9 +57,11 @@ pub struct Resident {
     /// `None` where it has none (its snapshot failed): it is retired at
     /// its next call.
     wait_point: Option<String>,
-    /// Its `/proc/PID/stat` and `/proc/PID/syscall`, open: read each time
+    /// Its `/proc/PID/stat`, `syscall` and `wchan`, open: read each time
     /// it is put back (opening them costs more than reading).
     watched: Option<Watched>,
+    /// `--isolation reset`, after a call: how far it is seen put back.
+    put_back: PutBack,
     /// A link's call: the read end of the pipe its lines went down, whose
     /// owner reads them. No one else's call is handed it before that owner
     /// has read them all, so nothing the owner does for its call (a late
@@ -97,6 +99,7 @@ impl Resident {
             calls: 0,
             wait_point: None,
             watched: None,
+            put_back: PutBack::Serving,
             owner_end: None,
         }
     }
@@ -110,7 +113,11 @@ impl Resident {
             Watched::open(self.flight.pid.as_raw())
                 .map_err(|e| format!("its state cannot be read ({e})"))?,
         );
-        self.wait_point = Some(self.blocked_waiting(None)?);
+        self.wait_point = Some(self.first_wait()?);
+        // At its wait, asleep: its `wchan` names the kernel function.
+        if let Some(watched) = &mut self.watched {
+            watched.wchan_names_waits = watched.asleep().unwrap_or(false);
+        }
         Ok(())
     }
 
@@ -130,6 +137,7 @@ impl Resident {
         }
         let _ = assignment::send_assignment(&self.control, assignment);
         self.flight.rearm();
+        self.put_back = PutBack::Serving;
     }
 
     /// Whether the owner of its last call (a link's) has read every line of
@@ -165,32 +173,109 @@ impl Resident {
         self.flight
     }
 
-    /// `--isolation reset`: waits for its word after its last call, that
-    /// it is put back (or why it could not be, and so exits), then checks
-    /// it from outside: one thread, blocked where it waits for its next
-    /// call. A call can write the word itself (it runs in the same
-    /// process, with the same socket), so the word alone is not trusted:
-    /// the next call's assignment goes only to a child that is at the
-    /// runtime's own wait, where no node code can be running.
-    fn put_back(&self) -> Result<(), String> {
-        let Some(wait_point) = &self.wait_point else {
+    /// `--isolation reset`: waits until it is put back after its last call
+    /// and seen at its wait (or says why it could not be, and so exits).
+    /// A call can write the word itself (it runs in the same process, with
+    /// the same socket), so the word alone is not trusted: the next call's
+    /// assignment goes only to a child seen from outside with one thread,
+    /// blocked where it waits for its next call, where no node code can
+    /// be running. One seen there earlier is looked at once more: nothing
+    /// may have woken it since.
+    fn put_back(&mut self) -> Result<(), String> {
+        if self.wait_point.is_none() {
             return Err("it has no snapshot".into());
-        };
-        self.read_word()?;
-        self.blocked_waiting(Some(wait_point))?;
-        // At its wait nothing more is written for its last call: what
-        // waits in its own pipe was written past that call's reply (or
-        // down the pipe while a link's call had its own), and would be
-        // read as the next call's lines.
-        if self.flight.has_unread() {
-            return Err("its last call wrote to its pipe past its reply".into());
         }
-        Ok(())
+        if self.put_back == PutBack::AtItsWait {
+            return match self.observe()? {
+                Seen::AtItsWait => Ok(()),
+                seen => Err(format!("it left its wait before its next call ({seen})")),
+            };
+        }
+        if self.put_back == PutBack::Serving {
+            self.read_word()?;
+            self.put_back = PutBack::OnItsWay {
+                since: std::time::Instant::now(),
+                elsewhere_since: None,
+            };
+        }
+        // It said its word right before its wait: looked at again at once,
+        // then slept on, so that it has the CPU to get there.
+        loop {
+            if self.look()? {
+                return Ok(());
+            }
+            std::thread::sleep(LOOK_AGAIN_AFTER);
+        }
+    }
+
+    /// `--isolation reset`: how far its put-back has come, as far as can be
+    /// seen without waiting: its word read if it has come, then one look.
+    /// `Ok(true)` once seen at its wait; `Err` if it cannot be put back.
+    fn look(&mut self) -> Result<bool, String> {
+        if self.wait_point.is_none() {
+            return Err("it has no snapshot".into());
+        }
+        match self.put_back {
+            PutBack::AtItsWait => return Ok(true),
+            PutBack::Serving if !self.has_word() => return Ok(false),
+            PutBack::Serving => {
+                self.read_word()?;
+                self.put_back = PutBack::OnItsWay {
+                    since: std::time::Instant::now(),
+                    elsewhere_since: None,
+                };
+            }
+            PutBack::OnItsWay { .. } => {}
+        }
+        let seen = self.observe()?;
+        let PutBack::OnItsWay {
+            since,
+            elsewhere_since,
+        } = &mut self.put_back
+        else {
+            unreachable!("on its way, from above");
+        };
+        match seen {
+            Seen::AtItsWait => {
+                // At its wait nothing more is written for its last call:
+                // what waits in its own pipe was written past that call's
+                // reply (or down the pipe while a link's call had its
+                // own), and would be read as the next call's lines.
+                if self.flight.has_unread() {
+                    return Err("its last call wrote to its pipe past its reply".into());
+                }
+                self.put_back = PutBack::AtItsWait;
+                return Ok(true);
+            }
+            // A child on its way to its wait is running, so one that stays
+            // blocked elsewhere (in a call's own code) is not coming.
+            Seen::Elsewhere(ref syscall) => {
+                let elsewhere = *elsewhere_since.get_or_insert_with(std::time::Instant::now);
+                if elsewhere.elapsed() > BLOCKED_ELSEWHERE_WITHIN {
+                    return Err(format!(
+                        "blocked outside its wait for a call ({syscall}; it waits at {})",
+                        self.wait_point.as_deref().unwrap_or("?")
+                    ));
+                }
+            }
+            Seen::OnItsWay(_) => *elsewhere_since = None,
+        }
+        if since.elapsed() > PUT_BACK_WITHIN {
+            return Err(format!(
+                "not at its wait for a call within {PUT_BACK_WITHIN:?} ({seen})"
+            ));
+        }
+        Ok(false)
     }
 
     /// Whether its word after its last call has come (or it hung up):
-    /// taking it then waits for no put-back.
+    /// taking it then waits for no word.
     fn said_its_word(&self) -> bool {
+        self.put_back != PutBack::Serving || self.has_word()
+    }
+
+    /// Whether its word is there to read (or it hung up).
+    fn has_word(&self) -> bool {
         use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
         let mut fds = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
         matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
@@ -228,57 +313,68 @@ impl Resident {
         }
     }
 
-    /// Waits (within [`PUT_BACK_WITHIN`]) until its one thread is blocked
-    /// in a system call, at `expected` where given; the call as
-    /// `/proc/PID/syscall` shows it (number, arguments, stack, code).
-    fn blocked_waiting(&self, expected: Option<&String>) -> Result<String, String> {
+    /// Where it is now, seen from outside, against its wait point.
+    fn observe(&self) -> Result<Seen, String> {
+        let (threads, syscall) = self.observe_call()?;
+        Ok(match (&self.wait_point, syscall) {
+            (_, None) if threads == 0 => Seen::OnItsWay("not asleep".into()),
+            (_, None) => Seen::OnItsWay(format!("{threads} threads")),
+            (Some(wait_point), Some(syscall)) if threads == 1 && syscall == *wait_point => {
+                Seen::AtItsWait
+            }
+            (_, Some(syscall)) if threads == 1 => Seen::Elsewhere(syscall),
+            (_, Some(syscall)) => Seen::OnItsWay(format!("{threads} threads, {syscall}")),
+        })
+    }
+
+    /// Its threads, and the system call it is blocked in, as
+    /// `/proc/PID/syscall` shows it (number, arguments, stack, code):
+    /// `None` while it runs ("running" on a CPU, "-1 …" stopped outside
+    /// any system call: preempted, faulting), with 0 threads where it was
+    /// seen not asleep before its threads were counted.
+    fn observe_call(&self) -> Result<(usize, Option<String>), String> {
         let watched = self
             .watched
             .as_ref()
             .ok_or("its state cannot be read (not open)")?;
+        let unreadable = |e: std::io::Error| format!("its state cannot be read ({e})");
+        if watched.wchan_names_waits && !watched.asleep().map_err(unreadable)? {
+            return Ok((0, None));
+        }
+        let (threads, syscall) = watched.read().map_err(unreadable)?;
+        let syscall = wait_of(syscall.trim());
+        let blocked = syscall != "running" && !syscall.starts_with("-1") && !syscall.is_empty();
+        Ok((threads, blocked.then_some(syscall)))
+    }
+
+    /// Waits (within [`PUT_BACK_WITHIN`]) until its one thread is blocked
+    /// in a system call, before any call ran in it: where it waits.
+    fn first_wait(&self) -> Result<String, String> {
         let started = std::time::Instant::now();
-        // Since when it has been blocked somewhere else: a child on its way
-        // to its wait is running, so one that stays blocked elsewhere (in a
-        // call's own code) is not coming.
-        let mut elsewhere_since = None;
         loop {
-            let (threads, syscall) = watched
-                .read()
-                .map_err(|e| format!("its state cannot be read ({e})"))?;
-            let syscall = wait_of(syscall.trim());
-            // "running" on a CPU, "-1 …" stopped outside any system call
-            // (preempted, faulting): on its way, either.
-            let blocked = threads == 1
-                && syscall != "running"
-                && !syscall.starts_with("-1")
-                && !syscall.is_empty();
-            match expected {
-                _ if !blocked => elsewhere_since = None,
-                None => return Ok(syscall),
-                Some(expected) if *expected == syscall => return Ok(syscall),
-                Some(expected) => {
-                    let since = *elsewhere_since.get_or_insert_with(std::time::Instant::now);
-                    if since.elapsed() > BLOCKED_ELSEWHERE_WITHIN {
-                        return Err(format!(
-                            "blocked outside its wait for a call ({syscall}; it waits at {expected})"
-                        ));
-                    }
-                }
+            let (threads, syscall) = self.observe_call()?;
+            if let Some(syscall) = syscall.filter(|_| threads == 1) {
+                return Ok(syscall);
             }
-            let waited = started.elapsed();
-            if waited > PUT_BACK_WITHIN {
+            if started.elapsed() > PUT_BACK_WITHIN {
                 return Err(format!(
-                    "not at its wait for a call within {PUT_BACK_WITHIN:?} ({threads} threads, {syscall})"
+                    "not at its wait for a call within {PUT_BACK_WITHIN:?} ({threads} threads)"
                 ));
             }
-            // It writes its word right before it waits: the first turns
-            // give it the CPU back at once; a slow one is slept on.
-            if waited < SPIN_FOR {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(std::time::Duration::from_micros(50));
-            }
+            std::thread::sleep(LOOK_AGAIN_AFTER);
         }
+    }
+
+    /// Retires it, put back after its call it could not be: the next call
+    /// gets a fresh fork.
+    fn not_put_back(self, why: &str, land: &mut impl FnMut(Flight)) {
+        tracing::info!(
+            pid = self.flight.pid.as_raw(),
+            "a resident could not be put back after its call ({why}); \
+             the next call gets a fresh fork"
+        );
+        crate::metrics::reset_retired();
+        self.retire(land);
     }
 
     /// Ends it: its pipe closed, so it writes out what it holds and exits
@@ -289,6 +385,54 @@ impl Resident {
         flight.wait_exit(RETIRE_WITHIN);
         land(flight);
     }
+}
+
+/// `--isolation reset`: how far a resident is seen put back after a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PutBack {
+    /// Serving its call, or putting itself back: no word yet.
+    Serving,
+    /// It said it is put back (`since` then), and is not yet seen at its
+    /// wait; seen blocked somewhere else since `elsewhere_since`.
+    OnItsWay {
+        since: std::time::Instant,
+        elsewhere_since: Option<std::time::Instant>,
+    },
+    /// Seen at its wait, where no node code runs: it may be handed a call.
+    AtItsWait,
+}
+
+/// A resident as one look at it from outside finds it.
+enum Seen {
+    AtItsWait,
+    /// Running, or more than one thread.
+    OnItsWay(String),
+    /// One thread, blocked in this system call, not at its wait.
+    Elsewhere(String),
+}
+
+impl std::fmt::Display for Seen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Seen::AtItsWait => f.write_str("at its wait"),
+            Seen::OnItsWay(what) => write!(f, "running: {what}"),
+            Seen::Elsewhere(syscall) => write!(f, "blocked in {syscall}"),
+        }
+    }
+}
+
+/// `--isolation reset`: whether taking a node's resident now would wait
+/// for one to be put back, and for what ([`Residents::being_put_back`]).
+pub enum PutBackWait<'a> {
+    /// It would not: one is at its wait, or none is waited for.
+    No,
+    /// Until one of these control sockets (of residents yet to say their
+    /// word) is readable, or until [`LOOK_AGAIN_AFTER`] where one said it
+    /// and is on its way to its wait.
+    Until {
+        words: Vec<BorrowedFd<'a>>,
+        look_again: Option<std::time::Duration>,
+    },
 }
 
 /// `--isolation node` and `reset`: each node's resident children between
@@ -338,8 +482,12 @@ impl Residents {
         }
         loop {
             let resident = if self.reset {
-                // One already put back first (`waits_for_put_back`).
-                match idle.iter().position(Resident::said_its_word) {
+                // One seen at its wait first, then one that said its word
+                // (`waits_for_put_back`).
+                let idle = self.idle.get_mut(key)?;
+                match first_at_its_wait(idle, &mut land)
+                    .or_else(|| idle.iter().position(Resident::said_its_word))
+                {
                     Some(at) => idle.swap_remove(at),
                     None if !waits_for_put_back(idle, digest) => return None,
                     // Whichever is put back first: waiting on one in
@@ -359,7 +507,7 @@ impl Residents {
                     },
                 }
             } else {
-                idle.pop()?
+                self.idle.get_mut(key)?.pop()?
             };
             if !resident.owner_has_read() {
                 // Its last call's owner has not read its reply (a slow or
@@ -374,37 +522,45 @@ impl Residents {
             if !self.reset {
                 return Some(resident);
             }
+            let mut resident = resident;
             match resident.put_back() {
                 Ok(()) => return Some(resident),
-                Err(why) => {
-                    tracing::info!(
-                        pid = resident.flight.pid.as_raw(),
-                        "a resident could not be put back after its call ({why}); \
-                         the next call gets a fresh fork"
-                    );
-                    crate::metrics::reset_retired();
-                    resident.retire(&mut land);
-                }
+                Err(why) => resident.not_put_back(&why, &mut land),
             }
         }
     }
 
-    /// `--isolation reset`: the control sockets of node `key`'s idle
-    /// residents where [`Residents::take`] would wait for one of them to be
-    /// put back (two or more, all still being put back), each readable
-    /// once its resident is; empty where it would not wait. A caller with
-    /// more to do than wait (a sweep reading its other calls) polls these
-    /// and takes one once it is ready.
-    pub(super) fn being_put_back(&self, key: &NodeKey, digest: &str) -> Vec<BorrowedFd<'_>> {
-        let Some(idle) = self.idle.get(key).filter(|_| self.reset) else {
-            return Vec::new();
+    /// `--isolation reset`: whether [`Residents::take`] would wait for one
+    /// of node `key`'s idle residents to be put back, each looked at once
+    /// (those that cannot be are retired, their flights to `land`). A
+    /// caller with more to do than wait (a sweep reading its other calls)
+    /// waits as the answer says, and takes one once it would not.
+    pub(super) fn being_put_back(
+        &mut self,
+        key: &NodeKey,
+        digest: &str,
+        mut land: impl FnMut(Flight),
+    ) -> PutBackWait<'_> {
+        let Some(idle) = self.idle.get_mut(key).filter(|_| self.reset) else {
+            return PutBackWait::No;
         };
-        if !waits_for_put_back(idle, digest) {
-            return Vec::new();
+        if idle.iter().any(|resident| resident.digest != digest)
+            || first_at_its_wait(idle, &mut land).is_some()
+        {
+            return PutBackWait::No;
         }
-        idle.iter()
-            .map(|resident| resident.control.as_fd())
-            .collect()
+        let on_its_way = idle.iter().any(Resident::said_its_word);
+        if !on_its_way && !waits_for_put_back(idle, digest) {
+            return PutBackWait::No;
+        }
+        PutBackWait::Until {
+            words: idle
+                .iter()
+                .filter(|resident| resident.put_back == PutBack::Serving)
+                .map(|resident| resident.control.as_fd())
+                .collect(),
+            look_again: on_its_way.then_some(LOOK_AGAIN_AFTER),
+        }
     }
 
     /// Puts back a resident that has replied to one more call; retired
@@ -453,6 +609,20 @@ fn waits_for_put_back(idle: &[Resident], digest: &str) -> bool {
         && !idle.iter().any(Resident::said_its_word)
 }
 
+/// The first of `idle` seen at its wait, each looked at once (those that
+/// cannot be put back retired, their flights to `land`).
+fn first_at_its_wait(idle: &mut Vec<Resident>, land: &mut impl FnMut(Flight)) -> Option<usize> {
+    let mut at = 0;
+    while at < idle.len() {
+        match idle[at].look() {
+            Ok(true) => return Some(at),
+            Ok(false) => at += 1,
+            Err(why) => idle.swap_remove(at).not_put_back(&why, land),
+        }
+    }
+    None
+}
+
 /// The one of `idle` that says its word first, or `None` if none does
 /// within [`PUT_BACK_WITHIN`].
 fn first_to_say_its_word(idle: &[Resident]) -> Option<usize> {
@@ -492,11 +662,16 @@ fn wait_of(syscall: &str) -> String {
     .join(" ")
 }
 
-/// A resident's `/proc/PID/stat` and `/proc/PID/syscall`, open in the
-/// zygote (claimed: no child it forks keeps them).
+/// A resident's `/proc/PID/stat`, `/proc/PID/syscall` and
+/// `/proc/PID/wchan`, open in the zygote (claimed: no child it forks
+/// keeps them).
 struct Watched {
     stat: Claimed,
     syscall: Claimed,
+    wchan: Claimed,
+    /// Whether its `wchan` names where it sleeps (the kernel can name
+    /// its functions), learned at its first wait.
+    wchan_names_waits: bool,
 }
 
 impl Watched {
@@ -508,7 +683,17 @@ impl Watched {
         Ok(Watched {
             stat: open("stat")?,
             syscall: open("syscall")?,
+            wchan: open("wchan")?,
+            wchan_names_waits: false,
         })
+    }
+
+    /// Whether it is asleep, off every run queue. Asked before its system
+    /// call: reading `syscall` of one that is falling asleep but was
+    /// preempted on its way (as a zygote its word woke can do) sleeps a
+    /// whole tick in the kernel (`wait_task_inactive`); `wchan` never waits.
+    fn asleep(&self) -> std::io::Result<bool> {
+        Ok(read_from_start(&self.wchan)?.trim() != "0")
     }
 
     /// Its threads, and its system call now.
@@ -532,9 +717,10 @@ fn read_from_start(file: &Claimed) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
-/// How long the zygote yields to a resident on its way to its wait before
-/// it sleeps between looks.
-const SPIN_FOR: std::time::Duration = std::time::Duration::from_micros(200);
+/// How long the zygote lets a resident on its way to its wait run before
+/// it looks again: it sleeps meanwhile, so as not to hold the CPU the
+/// resident needs to get there.
+pub const LOOK_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_micros(20);
 /// How long a resident has to put itself back after a call.
 const PUT_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long one may stay blocked outside its wait after its word: between
@@ -542,6 +728,7 @@ const PUT_BACK_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 const BLOCKED_ELSEWHERE_WITHIN: std::time::Duration = std::time::Duration::from_millis(250);
 /// A reset resident's word: put back, waiting for its next call ...
 const READY: &str = "ready";
+const READY_LINE: &[u8] = b"ready\n";
 /// ... or not, and why.
 const RETIRED: &str = "retired: ";
 
@@ -633,7 +820,9 @@ fn serve_resetting(
                 Err(error) => {
                     // Its first call is answered with the load's error, as
                     // a fresh child's would be.
-                    let Some((call, pipe)) = assignment::next_call(control.as_raw_fd()) else {
+                    let mut space = crate::link::ReceiveSpace::new();
+                    let Some((call, pipe)) = assignment::next_call(control.as_raw_fd(), &mut space)
+                    else {
                         crate::process::exit_now(0)
                     };
                     if let Some(pipe) = pipe {
@@ -655,9 +844,13 @@ fn serve_resetting(
             crate::process::exit_now(0)
         }
     };
+    // Made before the snapshot, so it is in it: between its word and its
+    // wait a resident allocates nothing and faults nothing in (its pages
+    // were just put back), and the zygote, told, finds it waiting.
+    let mut space = crate::link::ReceiveSpace::new();
     let reset = crate::reset::Reset::take();
     match &reset {
-        Ok(_) => tell(&control, READY),
+        Ok(_) => say_ready(&control),
         // Its first call is served as a fresh child's, then it is gone.
         Err(why) => tell(
             &control,
@@ -669,7 +862,9 @@ fn serve_resetting(
         // Every wait the same, in the same frame: the zygote tells this
         // wait from any other by its stack address. An optimiser that
         // peeled the first turn of this loop would move it.
-        let Some((call, pipe)) = std::hint::black_box(wait_for_call)(control.as_raw_fd()) else {
+        let Some((call, pipe)) =
+            std::hint::black_box(wait_for_call)(control.as_raw_fd(), &mut space)
+        else {
             fluksio_embed::finish::at_end(py, fluksio_embed::finish::Ending::Exit);
             crate::process::exit_now(0)
         };
@@ -686,14 +881,17 @@ fn serve_resetting(
             crate::reset::wipe_stack_below(stack);
         }
         // Last before the wait: the zygote, told, finds it there at once.
-        tell(&control, READY);
+        say_ready(&control);
     }
 }
 
 /// Where a reset resident waits for its next call (and the only place).
 #[inline(never)]
-fn wait_for_call(control: RawFd) -> Option<(Assignment, Option<OwnedFd>)> {
-    assignment::next_call(control)
+fn wait_for_call(
+    control: RawFd,
+    space: &mut crate::link::ReceiveSpace,
+) -> Option<(Assignment, Option<OwnedFd>)> {
+    assignment::next_call(control, space)
 }
 
 /// One call of a reset resident, everything it made dropped on return.
@@ -780,6 +978,11 @@ impl ReplyFd {
             );
         }
     }
+}
+
+/// [`READY`] to the zygote, with nothing allocated: right before its wait.
+fn say_ready(control: &OwnedFd) {
+    let _ = super::channel::write_all(control.as_raw_fd(), READY_LINE);
 }
 
 /// A word to the zygote on the control socket.

@@ -274,11 +274,13 @@ impl Runner {
     /// Where taking node `key`'s resident would wait for a put-back: see
     /// [`Residents::being_put_back`].
     pub(super) fn residents_being_put_back(
-        &self,
+        &mut self,
         key: &super::node::NodeKey,
         digest: &str,
-    ) -> Vec<std::os::fd::BorrowedFd<'_>> {
-        self.residents.being_put_back(key, digest)
+    ) -> super::resident::PutBackWait<'_> {
+        let children = &mut self.children;
+        self.residents
+            .being_put_back(key, digest, |flight| children.land_later(flight))
     }
 
     /// A resident whose call replied: it waits for its node's next call.
