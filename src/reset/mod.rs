@@ -250,10 +250,9 @@ const BURNT: usize = 64 * 1024;
 /// Writes zeros over `BURNT` bytes of stack right below its caller.
 #[inline(never)]
 fn burn() {
-    let mut burnt = [0u8; BURNT];
-    for byte in burnt.iter_mut() {
-        // SAFETY: a write to a local; volatile, so it is kept.
-        unsafe { std::ptr::write_volatile(byte, 0) };
-    }
-    std::hint::black_box(&burnt);
+    let mut burnt = std::mem::MaybeUninit::<[u8; BURNT]>::uninit();
+    // SAFETY: zeros written over a local, whole; `black_box` keeps the
+    // writes (a memset, where a byte at a time cost 1.6% of a put-back).
+    unsafe { std::ptr::write_bytes(burnt.as_mut_ptr(), 0, 1) };
+    std::hint::black_box(&mut burnt);
 }
