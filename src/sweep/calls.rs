@@ -255,7 +255,9 @@ impl<'a> Calls<'a> {
         index: usize,
         kwargs: &Map<String, Value>,
     ) -> Result<bool, String> {
-        if self.in_turn && self.waits_for_put_back() {
+        // With no other call to read meanwhile, waiting in `start` loses
+        // nothing, and it looks at once where the sweep would sleep first.
+        if self.in_turn && !self.running.is_empty() && self.waits_for_put_back() {
             // Not for ever: one that never says it is put back is taken,
             // and waited for, and retired when it is not.
             let since = *self.left_since.get_or_insert_with(Instant::now);
