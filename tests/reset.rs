@@ -250,6 +250,10 @@ def process(change=None):
         ctypes.CDLL(None).prctl(15, b"renamed", 0, 0, 0)
     elif change == "mask":
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    elif change == "lock":
+        # A POSIX lock of this process's, on its stderr: held until it exits.
+        import fcntl
+        fcntl.lockf(2, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return [os.getpid(), change]
 "#;
     let mut worker = reset_worker();
@@ -268,7 +272,7 @@ def process(change=None):
             .collect::<Vec<_>>(),
     );
     for change in [
-        "fd", "thread", "signal", "cwd", "umask", "rlimit", "timer", "name", "mask",
+        "fd", "thread", "signal", "cwd", "umask", "rlimit", "timer", "name", "mask", "lock",
     ] {
         let (pid, echoed) = call(&mut worker, json!(change));
         assert_eq!(echoed, change);
