@@ -192,11 +192,7 @@ impl Resident {
             };
         }
         if self.put_back == PutBack::Serving {
-            self.read_word()?;
-            self.put_back = PutBack::OnItsWay {
-                since: std::time::Instant::now(),
-                elsewhere_since: None,
-            };
+            self.take_word()?;
         }
         // It said its word right before its wait: looked at again at once
         // for a few turns (it is on its way, on another CPU where one is
@@ -224,13 +220,7 @@ impl Resident {
         match self.put_back {
             PutBack::AtItsWait => return Ok(true),
             PutBack::Serving if !self.has_word() => return Ok(false),
-            PutBack::Serving => {
-                self.read_word()?;
-                self.put_back = PutBack::OnItsWay {
-                    since: std::time::Instant::now(),
-                    elsewhere_since: None,
-                };
-            }
+            PutBack::Serving => self.take_word()?,
             PutBack::OnItsWay { .. } => {}
         }
         let seen = self.observe()?;
@@ -272,6 +262,17 @@ impl Resident {
             ));
         }
         Ok(false)
+    }
+
+    /// Reads its word after its last call (waiting for it): on its way to
+    /// its wait from now, if the word is "ready".
+    fn take_word(&mut self) -> Result<(), String> {
+        self.read_word()?;
+        self.put_back = PutBack::OnItsWay {
+            since: std::time::Instant::now(),
+            elsewhere_since: None,
+        };
+        Ok(())
     }
 
     /// Whether its word after its last call has come (or it hung up):
