@@ -156,6 +156,11 @@ impl Child {
     }
 }
 
+/// When `call` is to be ended, under `--timeout`.
+fn deadline(timeout: Option<Duration>, call: &Running) -> Option<Instant> {
+    timeout.map(|timeout| call.child.flight().started + timeout)
+}
+
 /// How a call in flight ended this step.
 #[derive(Clone, Copy)]
 enum Step {
@@ -325,7 +330,7 @@ impl<'a> Calls<'a> {
                 let call = &self.running[i];
                 call.answer.replied_at.is_none()
                     && !exited.contains(&i)
-                    && self.deadline(call).is_some_and(|deadline| deadline <= now)
+                    && deadline(self.timeout, call).is_some_and(|deadline| deadline <= now)
             })
             .collect();
         for &i in &overdue {
@@ -350,12 +355,6 @@ impl<'a> Calls<'a> {
         }
         done.reverse();
         Ok((done, also_ready))
-    }
-
-    /// When `call` is to be ended, under `--timeout`.
-    fn deadline(&self, call: &Running) -> Option<Instant> {
-        self.timeout
-            .map(|timeout| call.child.flight().started + timeout)
     }
 
     /// A resident's call has replied: the call is done, the child waits
@@ -476,7 +475,7 @@ impl<'a> Calls<'a> {
             .running
             .iter()
             .filter(|call| call.answer.replied_at.is_none())
-            .filter_map(|call| timeout.map(|timeout| call.child.flight().started + timeout))
+            .filter_map(|call| deadline(timeout, call))
             .min()
             .map(|nearest| nearest.saturating_duration_since(now));
         let wake = Duration::from_millis(WAKE_MS.into());

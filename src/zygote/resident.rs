@@ -254,7 +254,7 @@ impl Resident {
                     ));
                 }
             }
-            Seen::OnItsWay(_) => *elsewhere_since = None,
+            Seen::NotAsleep | Seen::Running | Seen::Threads(_) => *elsewhere_since = None,
         }
         if since.elapsed() > PUT_BACK_WITHIN {
             return Err(format!(
@@ -322,33 +322,30 @@ impl Resident {
 
     /// Where it is now, seen from outside, against its wait point.
     fn observe(&self) -> Result<Seen, String> {
-        let (threads, syscall) = self.observe_call()?;
-        Ok(match (&self.wait_point, syscall) {
-            (_, None) if threads == 0 => Seen::OnItsWay("not asleep".into()),
-            (_, None) => Seen::OnItsWay(format!("{threads} threads")),
-            (Some(wait_point), Some(syscall)) if threads == 1 && syscall == *wait_point => {
-                Seen::AtItsWait
-            }
-            (_, Some(syscall)) if threads == 1 => Seen::Elsewhere(syscall),
-            (_, Some(syscall)) => Seen::OnItsWay(format!("{threads} threads, {syscall}")),
+        let watched = self.watched()?;
+        if watched.wchan_names_waits && !watched.asleep().map_err(unreadable)? {
+            return Ok(Seen::NotAsleep);
+        }
+        Ok(match (&self.wait_point, self.observe_call()?) {
+            (_, (threads, _)) if threads != 1 => Seen::Threads(threads),
+            (_, (_, None)) => Seen::Running,
+            (Some(wait_point), (_, Some(syscall))) if syscall == *wait_point => Seen::AtItsWait,
+            (_, (_, Some(syscall))) => Seen::Elsewhere(syscall),
         })
+    }
+
+    fn watched(&self) -> Result<&Watched, String> {
+        self.watched
+            .as_ref()
+            .ok_or_else(|| "its state cannot be read (not open)".into())
     }
 
     /// Its threads, and the system call it is blocked in, as
     /// `/proc/PID/syscall` shows it (number, arguments, stack, code):
     /// `None` while it runs ("running" on a CPU, "-1 …" stopped outside
-    /// any system call: preempted, faulting), with 0 threads where it was
-    /// seen not asleep before its threads were counted.
+    /// any system call: preempted, faulting).
     fn observe_call(&self) -> Result<(usize, Option<String>), String> {
-        let watched = self
-            .watched
-            .as_ref()
-            .ok_or("its state cannot be read (not open)")?;
-        let unreadable = |e: std::io::Error| format!("its state cannot be read ({e})");
-        if watched.wchan_names_waits && !watched.asleep().map_err(unreadable)? {
-            return Ok((0, None));
-        }
-        let (threads, syscall) = watched.read().map_err(unreadable)?;
+        let (threads, syscall) = self.watched()?.read().map_err(unreadable)?;
         let syscall = wait_of(syscall.trim());
         let blocked = syscall != "running" && !syscall.starts_with("-1") && !syscall.is_empty();
         Ok((threads, blocked.then_some(syscall)))
@@ -412,8 +409,12 @@ enum PutBack {
 /// A resident as one look at it from outside finds it.
 enum Seen {
     AtItsWait,
-    /// Running, or more than one thread.
-    OnItsWay(String),
+    /// Not asleep off the run queues (its `wchan` says so): on its way.
+    NotAsleep,
+    /// In no system call: running, preempted or faulting.
+    Running,
+    /// More (or fewer) threads than its one.
+    Threads(usize),
     /// One thread, blocked in this system call, not at its wait.
     Elsewhere(String),
 }
@@ -422,10 +423,17 @@ impl std::fmt::Display for Seen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Seen::AtItsWait => f.write_str("at its wait"),
-            Seen::OnItsWay(what) => write!(f, "running: {what}"),
+            Seen::NotAsleep => f.write_str("not asleep"),
+            Seen::Running => f.write_str("running"),
+            Seen::Threads(threads) => write!(f, "{threads} threads"),
             Seen::Elsewhere(syscall) => write!(f, "blocked in {syscall}"),
         }
     }
+}
+
+/// Why a resident's state could not be read.
+fn unreadable(error: std::io::Error) -> String {
+    format!("its state cannot be read ({error})")
 }
 
 /// `--isolation reset`: whether taking a node's resident now would wait
@@ -489,8 +497,7 @@ impl Residents {
         }
         loop {
             let resident = if self.reset {
-                // One seen at its wait first, then one that said its word
-                // (`waits_for_put_back`).
+                // One seen at its wait first, then one that said its word.
                 let idle = self.idle.get_mut(key)?;
                 match first_at_its_wait(idle, &mut land)
                     .or_else(|| idle.iter().position(Resident::said_its_word))
@@ -559,8 +566,9 @@ impl Residents {
         {
             return PutBackWait::No;
         }
+        // None said its word: with no spare, the caller forks one.
         let on_its_way = idle.iter().any(Resident::said_its_word);
-        if !on_its_way && !waits_for_put_back(idle, digest) {
+        if !on_its_way && idle.len() <= SPARE_RESIDENTS {
             return PutBackWait::No;
         }
         PutBackWait::Until {
@@ -606,17 +614,6 @@ impl Residents {
     pub(super) fn forget_inherited(&mut self) {
         std::mem::forget(std::mem::take(&mut self.idle));
     }
-}
-
-/// Whether taking one of `idle` for a call of source `digest` waits for
-/// a put-back: two or more, all of that source, none put back yet. (With
-/// one, the call gets a second resident instead, forked by the caller:
-/// the put-back runs beside the next call, not before it. So a node has at
-/// most one more than it has calls in flight.)
-fn waits_for_put_back(idle: &[Resident], digest: &str) -> bool {
-    idle.len() > SPARE_RESIDENTS
-        && idle.iter().all(|resident| resident.digest == digest)
-        && !idle.iter().any(Resident::said_its_word)
 }
 
 /// The first of `idle` seen at its wait, each looked at once (those that
@@ -728,9 +725,11 @@ fn read_from_start(file: &Claimed) -> std::io::Result<String> {
 }
 
 /// Idle residents a node may have beside its calls in flight, each being
-/// put back while the others serve. (Two measured ~5% on trivial calls
-/// back to back through `worker`: what a call shares is the put-back's
-/// CPU, not the wait for it.)
+/// put back while the others serve: where none of a node's idle ones has
+/// said its word, a call waits for one only with more idle than this, and
+/// else gets one more, forked (the put-back runs beside the next call, not
+/// before it). (Two measured ~5% on trivial calls back to back through
+/// `worker`: what a call shares is the put-back's CPU, not the wait for it.)
 const SPARE_RESIDENTS: usize = 1;
 /// How long [`Resident::put_back`] looks at a resident on its way to its
 /// wait turn after turn before it sleeps between looks.
