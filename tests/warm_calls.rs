@@ -313,6 +313,59 @@ fn a_module_earlier_calls_imported_is_loaded_when_a_later_calls_child_starts() {
     assert_eq!(had[7], true, "{had:?}");
 }
 
+/// Under `--isolation reset` a call's import is put back with the rest of
+/// its memory, so a resident would import it again on every call: what the
+/// zygote learned reaches the calls through residents forked after it.
+#[test]
+fn a_module_earlier_calls_imported_is_loaded_when_a_later_reset_call_starts() {
+    let dir = scratch("learned-reset");
+    let node = write_node(&dir, "importer.py", IMPORTER);
+    for jobs in ["1", "2"] {
+        let output = sweep(
+            &node,
+            &["--grid", "x=1..12", "-j", jobs, "--isolation", "reset"],
+            &[],
+        );
+        let had = results(&output);
+        assert_eq!(had[0], false, "-j {jobs}: the first call imports it itself");
+        assert_eq!(
+            had[11], true,
+            "-j {jobs}: a later call starts with it: {had:?}"
+        );
+    }
+    let output = sweep(
+        &node,
+        &[
+            "--grid",
+            "x=1..8",
+            "-j",
+            "1",
+            "--isolation",
+            "reset",
+            "--learn-imports",
+            "off",
+        ],
+        &[],
+    );
+    assert!(
+        results(&output).iter().all(|had| had == false),
+        "off: every call imports it, and none sees an earlier call's import"
+    );
+    let mut command = ours(&[]);
+    command.args(["worker", "--isolation", "reset"]);
+    let mut worker = Worker::spawn(command);
+    let had: Vec<Value> = (0..8)
+        .map(|i| {
+            worker
+                .call(&common::run(i, "importer", IMPORTER, json!({})))
+                .reply["result"]
+                .clone()
+        })
+        .collect();
+    assert_eq!(had[0], false, "{had:?}");
+    assert_eq!(had[7], true, "{had:?}");
+}
+
 #[test]
 fn a_module_a_call_wrote_is_never_learned_into_the_zygote() {
     let dir = scratch("learned-written");

@@ -76,6 +76,15 @@ impl Flight {
         }
     }
 
+    /// What the child has reported so far in its log buffer, taken out
+    /// (a resident's, after each call: `super::learn`).
+    pub fn take_report(&self) -> Vec<u8> {
+        self.logs
+            .as_ref()
+            .map(LogBuffer::take_report)
+            .unwrap_or_default()
+    }
+
     /// Kills everything the call started: its session and its cell.
     fn kill_all(&self) {
         process::kill_group(self.pid, Signal::SIGKILL);

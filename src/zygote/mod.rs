@@ -401,8 +401,11 @@ impl Zygote {
             flow: flow.to_string(),
             node: node.to_string(),
         };
+        let generation = self.nodes.generation();
         match self.nodes.digest(&key) {
-            Some(digest) => self.runner.residents_being_put_back(&key, digest),
+            Some(digest) => self
+                .runner
+                .residents_being_put_back(&key, digest, generation),
             None => resident::PutBackWait::No,
         }
     }

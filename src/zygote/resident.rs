@@ -51,6 +51,11 @@ pub struct Resident {
     control: Claimed,
     key: NodeKey,
     digest: String,
+    /// The zygote's generation it was forked at: under `--isolation
+    /// reset` its snapshot is the zygote's state then, and once the zygote
+    /// has learned what calls import (or loaded a node), one forked from it
+    /// now starts each call with more done.
+    generation: u64,
     calls: u64,
     /// `--isolation reset`: where it blocks waiting for its next call,
     /// as `/proc/PID/syscall` shows it, learned before any call ran in it.
@@ -88,14 +93,22 @@ impl CallPipe {
 }
 
 impl Resident {
-    /// A resident just forked for a call of node `key`'s source `digest`,
-    /// which it was handed with its control pipe.
-    pub(super) fn new(flight: Flight, control: Claimed, key: &NodeKey, digest: &str) -> Resident {
+    /// A resident just forked, at the zygote's `generation`, for a call of
+    /// node `key`'s source `digest`, which it was handed with its control
+    /// pipe.
+    pub(super) fn new(
+        flight: Flight,
+        control: Claimed,
+        key: &NodeKey,
+        digest: &str,
+        generation: u64,
+    ) -> Resident {
         Resident {
             flight,
             control,
             key: key.clone(),
             digest: digest.to_string(),
+            generation,
             calls: 0,
             wait_point: None,
             watched: None,
@@ -482,19 +495,17 @@ impl Residents {
     }
 
     /// An idle resident of node `key` for a call of source `digest`, taken
-    /// out until its call is served; those of another source are retired
-    /// (their flights to `land`).
+    /// out until its call is served; those of another source, or under
+    /// `--isolation reset` forked before the zygote's `generation`, are
+    /// retired (their flights to `land`).
     pub(super) fn take(
         &mut self,
         key: &NodeKey,
         digest: &str,
+        generation: u64,
         mut land: impl FnMut(Flight),
     ) -> Option<Resident> {
-        let idle = self.idle.get_mut(key)?;
-        if idle.iter().any(|resident| resident.digest != digest) {
-            self.retire(key, &mut land);
-            return None;
-        }
+        self.retire_stale(key, digest, generation, &mut land);
         loop {
             let resident = if self.reset {
                 // One seen at its wait first, then one that said its word.
@@ -556,14 +567,17 @@ impl Residents {
         &mut self,
         key: &NodeKey,
         digest: &str,
+        generation: u64,
         mut land: impl FnMut(Flight),
     ) -> PutBackWait<'_> {
-        let Some(idle) = self.idle.get_mut(key).filter(|_| self.reset) else {
+        if !self.reset {
+            return PutBackWait::No;
+        }
+        self.retire_stale(key, digest, generation, &mut land);
+        let Some(idle) = self.idle.get_mut(key) else {
             return PutBackWait::No;
         };
-        if idle.iter().any(|resident| resident.digest != digest)
-            || first_at_its_wait(idle, &mut land).is_some()
-        {
+        if first_at_its_wait(idle, &mut land).is_some() {
             return PutBackWait::No;
         }
         // None said its word: with no spare, the caller forks one.
@@ -590,6 +604,33 @@ impl Residents {
         } else {
             let key = resident.key.clone();
             self.idle.entry(key).or_default().push(resident);
+        }
+    }
+
+    /// Ends node `key`'s idle residents that are not for source `digest`,
+    /// or under `--isolation reset` were forked before `generation`: a
+    /// resident keeps its own module state, but a reset one starts each
+    /// call from its snapshot, and a fresh one's has what the zygote
+    /// learned since (an import a call would otherwise make every time).
+    fn retire_stale(
+        &mut self,
+        key: &NodeKey,
+        digest: &str,
+        generation: u64,
+        land: &mut impl FnMut(Flight),
+    ) {
+        let reset = self.reset;
+        let Some(idle) = self.idle.get_mut(key) else {
+            return;
+        };
+        let mut at = 0;
+        while at < idle.len() {
+            let resident = &idle[at];
+            if resident.digest != digest || (reset && resident.generation != generation) {
+                idle.swap_remove(at).retire(land);
+            } else {
+                at += 1;
+            }
         }
     }
 
@@ -853,6 +894,9 @@ fn serve_resetting(
         }
     };
     drop(set_up);
+    // What its calls import is counted from here: the set-up's imports
+    // are in the snapshot.
+    super::learn::remember_modules(py);
     // Taken before the snapshot, so its fd is one the reset expects.
     let reply = match ReplyFd::new(reply_fd) {
         Ok(reply) => reply,
@@ -935,6 +979,9 @@ fn serve_one(
     let outcome = child::apply_env(py, &call.env, false)
         .and_then(|()| child::invoke(py, &call, function))
         .map(Some);
+    // Before the reply, as a fresh child's: the zygote learns what every
+    // call would import again after its put-back.
+    super::learn::report(py, logs);
     answer(py, &call, outcome);
     // What the call left open in files is written out before its memory
     // goes (the files' fds then retire the resident).

@@ -237,11 +237,12 @@ impl Runner {
             Some(pipe)
         };
         let children = &mut self.children;
-        let idle = self
-            .residents
-            .take(&assignment.key, &assignment.digest, |flight| {
-                children.land_later(flight)
-            });
+        let idle = self.residents.take(
+            &assignment.key,
+            &assignment.digest,
+            nodes.generation(),
+            |flight| children.land_later(flight),
+        );
         if let Some(mut resident) = idle {
             if let Some(logs) = logs_so_far {
                 self.children.recycle(logs);
@@ -252,7 +253,13 @@ impl Runner {
         if !self.residents.reset() {
             let (flight, control) = self.dispatch(py, nodes, assignment, logs_so_far, true)?;
             let control = control.expect("kept");
-            let resident = Resident::new(flight, control, &assignment.key, &assignment.digest);
+            let resident = Resident::new(
+                flight,
+                control,
+                &assignment.key,
+                &assignment.digest,
+                nodes.generation(),
+            );
             return Ok((resident, true));
         }
         // Its snapshot is taken before its first call is in its memory:
@@ -260,7 +267,13 @@ impl Runner {
         let set_up = assignment.without_call();
         let (flight, control) = self.dispatch(py, nodes, &set_up, logs_so_far, true)?;
         let control = control.expect("kept");
-        let mut resident = Resident::new(flight, control, &assignment.key, &assignment.digest);
+        let mut resident = Resident::new(
+            flight,
+            control,
+            &assignment.key,
+            &assignment.digest,
+            nodes.generation(),
+        );
         if let Err(why) = resident.learn_wait_point() {
             // It serves this call as a fresh child would, and is retired
             // before the next.
@@ -277,14 +290,19 @@ impl Runner {
         &mut self,
         key: &super::node::NodeKey,
         digest: &str,
+        generation: u64,
     ) -> super::resident::PutBackWait<'_> {
         let children = &mut self.children;
         self.residents
-            .being_put_back(key, digest, |flight| children.land_later(flight))
+            .being_put_back(key, digest, generation, |flight| {
+                children.land_later(flight)
+            })
     }
 
     /// A resident whose call replied: it waits for its node's next call.
+    /// What the call imported is learned, as a fresh child's would be.
     pub(super) fn keep_resident(&mut self, resident: Resident) {
+        self.children.learn_from(resident.flight());
         let children = &mut self.children;
         self.residents
             .keep(resident, |flight| children.land_later(flight));
@@ -319,6 +337,10 @@ impl Runner {
         match resident.flight_mut().follow_to_reply(out) {
             Ok(true) => {
                 self.keep_resident(resident);
+                if self.children.has_learned_something() {
+                    // Off the call's clock: it has replied.
+                    self.replenish(py, nodes);
+                }
                 Ok(())
             }
             Ok(false) => self

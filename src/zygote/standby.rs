@@ -112,6 +112,17 @@ impl Children {
         self.spare_logs.push(logs);
     }
 
+    /// What a resident's call, just replied, reports it imported (a
+    /// resident reports before each reply; its buffer is its own).
+    pub(super) fn learn_from(&mut self, flight: &Flight) {
+        self.learned.take(&flight.take_report());
+    }
+
+    /// Whether calls imported something not yet tried here.
+    pub(super) fn has_learned_something(&self) -> bool {
+        self.learned.has_pending()
+    }
+
     /// A call that has replied: its session (the child, and whatever it
     /// started) is killed now; the child is reaped once it has exited.
     pub(super) fn land_later(&mut self, flight: Flight) {
