@@ -94,8 +94,10 @@ fn victim_or_scanner() -> String {
 #[test]
 fn no_call_finds_what_earlier_calls_of_its_child_were_sent_or_returned() {
     let source = victim_or_scanner();
-    // Requests of pages, and of blocks past glibc's first mmap threshold.
-    for padding in [16_000, 700_000] {
+    // Requests of pages, of blocks past glibc's first mmap threshold, and
+    // of blocks that land in the heap's room made before the snapshot
+    // (`reset::heap`), whose pages a call writes and the put-back copies.
+    for padding in [16_000, 700_000, 6_000_000] {
         let sent = format!("reset-secret-{padding}-{}", std::process::id());
         let returned: String = sent.chars().rev().collect();
         let padding = "p".repeat(padding);

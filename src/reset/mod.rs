@@ -15,6 +15,7 @@
 //! Any change it cannot put back retires the resident: the zygote forks a
 //! fresh one, as safe as `--isolation call`, and says why.
 
+pub mod heap;
 pub mod maps;
 pub mod memory;
 pub mod pinned;
@@ -44,6 +45,7 @@ impl Reset {
             return Err("the process runs more than one thread".into());
         }
         let cell = open_cell().map_err(|e| format!("opening its cell's cgroup.procs: {e}"))?;
+        heap::make_room();
         let snapshot = Snapshot::prepare().map_err(|e| e.to_string())?;
         let mut reset = Reset {
             baseline: State::default(),
