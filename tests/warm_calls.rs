@@ -300,17 +300,7 @@ fn a_module_earlier_calls_imported_is_loaded_when_a_later_calls_child_starts() {
         "off: every call imports it"
     );
     // The same under the worker contract.
-    let mut worker = start_worker(&[]);
-    let had: Vec<Value> = (0..8)
-        .map(|i| {
-            worker
-                .call(&common::run(i, "importer", IMPORTER, json!({})))
-                .reply["result"]
-                .clone()
-        })
-        .collect();
-    assert_eq!(had[0], false, "{had:?}");
-    assert_eq!(had[7], true, "{had:?}");
+    assert_a_later_call_has_it(start_worker(&[]));
 }
 
 /// Under `--isolation reset` a call's import is put back with the rest of
@@ -353,7 +343,12 @@ fn a_module_earlier_calls_imported_is_loaded_when_a_later_reset_call_starts() {
     );
     let mut command = ours(&[]);
     command.args(["worker", "--isolation", "reset"]);
-    let mut worker = Worker::spawn(command);
+    assert_a_later_call_has_it(Worker::spawn(command));
+}
+
+/// Eight [`IMPORTER`] calls through `worker`: the first imports it itself,
+/// the last finds it imported.
+fn assert_a_later_call_has_it(mut worker: Worker) {
     let had: Vec<Value> = (0..8)
         .map(|i| {
             worker
