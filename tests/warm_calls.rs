@@ -300,7 +300,7 @@ fn a_module_earlier_calls_imported_is_loaded_when_a_later_calls_child_starts() {
         "off: every call imports it"
     );
     // The same under the worker contract.
-    assert_a_later_call_has_it(start_worker(&[]));
+    assert_a_later_call_has_it(start_worker(&[]), std::time::Duration::ZERO);
 }
 
 /// Under `--isolation reset` a call's import is put back with the rest of
@@ -341,16 +341,31 @@ fn a_module_earlier_calls_imported_is_loaded_when_a_later_reset_call_starts() {
         results(&output).iter().all(|had| had == false),
         "off: every call imports it, and none sees an earlier call's import"
     );
+    // Calls apart, each resident put back before the next call comes: no
+    // second resident is forked, and nothing else has the zygote learn.
+    let apart = std::time::Duration::from_millis(300);
     let mut command = ours(&[]);
     command.args(["worker", "--isolation", "reset"]);
-    assert_a_later_call_has_it(Worker::spawn(command));
+    assert_a_later_call_has_it(Worker::spawn(command), apart);
+    // And through a pool slot, whose zygote is shared and serves its calls
+    // over a link.
+    assert_a_later_call_has_it(
+        start_worker(&[
+            ("FLUKSIO_ISOLATION", "reset"),
+            ("FLUKSIO_SHARED_ZYGOTE", "1"),
+            ("FLUKSIO_TEST_SCOPE", "learned-reset-slot"),
+            ("FLUKSIO_SHARED_ZYGOTE_LINGER_S", "1"),
+        ]),
+        apart,
+    );
 }
 
-/// Eight [`IMPORTER`] calls through `worker`: the first imports it itself,
-/// the last finds it imported.
-fn assert_a_later_call_has_it(mut worker: Worker) {
+/// Eight [`IMPORTER`] calls through `worker`, `pause` before each: the
+/// first imports it itself, the last finds it imported.
+fn assert_a_later_call_has_it(mut worker: Worker, pause: std::time::Duration) {
     let had: Vec<Value> = (0..8)
         .map(|i| {
+            std::thread::sleep(pause);
             worker
                 .call(&common::run(i, "importer", IMPORTER, json!({})))
                 .reply["result"]

@@ -275,7 +275,10 @@ impl Zygote {
             {
                 Ok((resident, forked, pipe)) => {
                     out.started(resident.flight().pid);
-                    if forked {
+                    // Beside the call: a standby for the next fork, and
+                    // what earlier calls imported, learned (the residents
+                    // forked before then are replaced).
+                    if forked || self.runner.has_learned_something() {
                         self.replenish(py);
                     }
                     Ok(Some(Detached::Resident { resident, pipe }))

@@ -299,6 +299,11 @@ impl Runner {
             })
     }
 
+    /// Whether calls imported what the zygote has not tried yet.
+    pub(super) fn has_learned_something(&self) -> bool {
+        self.children.has_learned_something()
+    }
+
     /// A resident whose call replied: it waits for its node's next call.
     /// What the call imported is learned, as a fresh child's would be.
     pub(super) fn keep_resident(&mut self, resident: Resident) {
@@ -337,7 +342,7 @@ impl Runner {
         match resident.flight_mut().follow_to_reply(out) {
             Ok(true) => {
                 self.keep_resident(resident);
-                if self.children.has_learned_something() {
+                if self.has_learned_something() {
                     // Off the call's clock: it has replied.
                     self.replenish(py, nodes);
                 }
