@@ -16,6 +16,7 @@ use crate::poll_set::PollSet;
 use crate::process::ChildEnd;
 use crate::protocol::{Op, Request};
 use crate::zygote::flight::{Flight, Watched};
+use crate::zygote::node::NodeKey;
 use crate::zygote::resident::{PutBackWait, Resident};
 use crate::zygote::{SpawnError, Zygote};
 
@@ -176,6 +177,9 @@ enum Step {
 pub struct Calls<'a> {
     zygote: &'a mut Zygote,
     node: &'a Node,
+    /// The node's key in the zygote, made once: asked for at every look
+    /// at its residents.
+    key: NodeKey,
     running: Vec<Running>,
     /// `--isolation node`: each call runs in a resident child, which serves
     /// the calls after it in turn, its module state kept.
@@ -197,6 +201,10 @@ impl<'a> Calls<'a> {
         Calls {
             zygote,
             node,
+            key: NodeKey {
+                flow: node.flow.clone(),
+                node: node.name.clone(),
+            },
             running: Vec::new(),
             in_turn,
             timeout: None,
@@ -277,8 +285,7 @@ impl<'a> Calls<'a> {
     /// Whether starting a call would wait for a resident to be put back.
     fn waits_for_put_back(&mut self) -> bool {
         !matches!(
-            self.zygote
-                .residents_being_put_back(&self.node.flow, &self.node.name),
+            self.zygote.residents_being_put_back(&self.key),
             PutBackWait::No
         )
     }
@@ -447,10 +454,7 @@ impl<'a> Calls<'a> {
         // A call left for later wakes this once a resident is put back.
         let mut look_again = None;
         if self.in_turn && self.left_since.is_some() {
-            match self
-                .zygote
-                .residents_being_put_back(&self.node.flow, &self.node.name)
-            {
+            match self.zygote.residents_being_put_back(&self.key) {
                 PutBackWait::Until {
                     words,
                     look_again: after,

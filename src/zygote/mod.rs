@@ -273,12 +273,9 @@ impl Zygote {
                 .runner
                 .resident_for_link(py, &self.nodes, &resident, trial_logs)
             {
-                Ok((resident, forked, pipe)) => {
+                Ok((resident, replenish, pipe)) => {
                     out.started(resident.flight().pid);
-                    // Beside the call: a standby for the next fork, and
-                    // what earlier calls imported, learned (the residents
-                    // forked before then are replaced).
-                    if forked || self.runner.has_learned_something() {
+                    if replenish {
                         self.replenish(py);
                     }
                     Ok(Some(Detached::Resident { resident, pipe }))
@@ -393,22 +390,14 @@ impl Zygote {
             .map(|(resident, _)| resident)
     }
 
-    /// `--isolation reset`: whether starting a resident for node
-    /// `flow`/`node` would wait for one to be put back, and for what.
-    pub fn residents_being_put_back(
-        &mut self,
-        flow: &str,
-        node: &str,
-    ) -> resident::PutBackWait<'_> {
-        let key = NodeKey {
-            flow: flow.to_string(),
-            node: node.to_string(),
-        };
+    /// `--isolation reset`: whether starting a resident for node `key`
+    /// would wait for one to be put back, and for what.
+    pub fn residents_being_put_back(&mut self, key: &NodeKey) -> resident::PutBackWait<'_> {
         let generation = self.nodes.generation();
-        match self.nodes.digest(&key) {
+        match self.nodes.digest(key) {
             Some(digest) => self
                 .runner
-                .residents_being_put_back(&key, digest, generation),
+                .residents_being_put_back(key, digest, generation),
             None => resident::PutBackWait::No,
         }
     }

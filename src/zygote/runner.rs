@@ -184,8 +184,9 @@ impl Runner {
     }
 
     /// Node `assignment.key`'s resident for `assignment`: an idle one
-    /// handed it, or one forked for it (then true: the caller forks the
-    /// next standby once it can).
+    /// handed it, or one forked for it; and whether the caller replenishes
+    /// ([`Runner::replenish`]) beside the call once it can: a standby to
+    /// fork in place of the one used, or imports to learn.
     pub(super) fn resident(
         &mut self,
         py: Python<'_>,
@@ -207,10 +208,10 @@ impl Runner {
         logs_so_far: Option<LogBuffer>,
     ) -> Result<(Resident, bool, OwnedFd), SpawnError> {
         let mut owners_end = None;
-        let (resident, forked) =
+        let (resident, replenish) =
             self.resident_with(py, nodes, assignment, logs_so_far, Some(&mut owners_end))?;
         match owners_end {
-            Some(read) => Ok((resident, forked, read)),
+            Some(read) => Ok((resident, replenish, read)),
             None => {
                 self.children.land_later(resident.into_flight());
                 Err(SpawnError::Io(std::io::Error::other(
@@ -248,7 +249,9 @@ impl Runner {
                 self.children.recycle(logs);
             }
             resident.hand(assignment, call_pipe());
-            return Ok((resident, false));
+            // What earlier calls imported is learned beside this one (the
+            // residents forked before then are replaced).
+            return Ok((resident, self.children.has_learned_something()));
         }
         if !self.residents.reset() {
             let (flight, control) = self.dispatch(py, nodes, assignment, logs_so_far, true)?;
@@ -299,11 +302,6 @@ impl Runner {
             })
     }
 
-    /// Whether calls imported what the zygote has not tried yet.
-    pub(super) fn has_learned_something(&self) -> bool {
-        self.children.has_learned_something()
-    }
-
     /// A resident whose call replied: it waits for its node's next call.
     /// What the call imported is learned, as a fresh child's would be.
     pub(super) fn keep_resident(&mut self, resident: Resident) {
@@ -331,19 +329,19 @@ impl Runner {
         out: &mut dyn CallOutput,
     ) -> Result<(), Stop> {
         let _held = assignment.held();
-        let (mut resident, forked) = match self.resident(py, nodes, assignment, logs_so_far) {
+        let (mut resident, replenish) = match self.resident(py, nodes, assignment, logs_so_far) {
             Ok(started) => started,
             Err(error) => return Err(not_started(assignment, error, out)),
         };
         out.started(resident.flight().pid);
-        if forked {
+        if replenish {
             self.replenish(py, nodes);
         }
         match resident.flight_mut().follow_to_reply(out) {
             Ok(true) => {
                 self.keep_resident(resident);
-                if self.has_learned_something() {
-                    // Off the call's clock: it has replied.
+                if self.children.has_learned_something() {
+                    // Off the call's clock, before the next: it has replied.
                     self.replenish(py, nodes);
                 }
                 Ok(())
