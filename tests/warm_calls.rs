@@ -440,6 +440,61 @@ fn a_node_asks_for_its_own_warm_up_in_the_worker_and_the_agent() {
     }
 }
 
+/// A node whose calls wake numpy's OpenBLAS pool (a product large enough
+/// to be split) and, where scikit-learn is installed, an OpenMP pool
+/// (k-means): its pid, the threads it ran on, and its answer.
+const POOLED: &str = "import os\nimport numpy as np\ndef process(x):\n    a = np.random.default_rng(x).normal(size=(300, 300))\n    total = float((a @ a.T).trace())\n    try:\n        from sklearn.cluster import KMeans\n        KMeans(n_clusters=2, n_init=1, random_state=x).fit(a[:, :4])\n    except ImportError:\n        pass\n    return [os.getpid(), len(os.listdir('/proc/self/task')), total > 0]\n";
+
+#[test]
+fn a_reset_resident_ends_the_pools_its_calls_woke_and_serves_on() {
+    // Two threads a call: every call wakes its pools, whose threads would
+    // otherwise retire the resident after every call.
+    let env = [
+        ("FLUKSIO_PRELOAD", preload()),
+        ("FLUKSIO_THREADS_PER_CALL", "2"),
+        ("RUST_LOG", "info"),
+    ];
+    let mut command = ours(&env);
+    command.args(["worker", "--isolation", "reset"]);
+    let mut worker = Worker::spawn(command);
+    let answers: Vec<Value> = (0..8)
+        .map(|x| {
+            let reply = worker.call(&common::run(x, "pooled", POOLED, json!({"x": x})));
+            assert_eq!(reply.reply["ok"], true, "{:?}", reply);
+            reply.reply["result"].clone()
+        })
+        .collect();
+    let (_, log) = worker.finish();
+    assert!(answers.iter().all(|r| r[2] == true), "{answers:?}");
+    if cpus() >= 2 {
+        assert!(
+            answers.iter().all(|r| r[1].as_u64() > Some(1)),
+            "each call ran its pools' threads: {answers:?}"
+        );
+    }
+    assert!(!log.contains("could not be put back"), "{log}");
+    // The calls after the first two (whose imports the zygote learns, and
+    // whose residents it replaces) were served by residents, in turn.
+    let mut pids: Vec<i64> = answers[2..].iter().filter_map(|r| r[0].as_i64()).collect();
+    let calls = pids.len();
+    pids.sort_unstable();
+    pids.dedup();
+    assert!(pids.len() <= 2 && pids.len() < calls, "{answers:?}");
+
+    // A sweep at -j 1 alike.
+    let dir = scratch("pools-reset");
+    let node = write_node(&dir, "pooled.py", POOLED);
+    let output = sweep(
+        &node,
+        &["--grid", "x=1..8", "-j", "1", "--isolation", "reset"],
+        &env,
+    );
+    let swept = results(&output);
+    assert!(swept.iter().all(|r| r[2] == true), "{swept:?}");
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert!(!text.contains("could not be put back"), "{text}");
+}
+
 /// A node whose warm-up leaves a thread running (as an OpenMP pool would).
 const THREADED: &str = "import threading, time\nSTATE = []\n__fluksio_warmup__ = {'x': 0}\ndef process(x):\n    seen = list(STATE)\n    STATE.append(x)\n    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n    return seen\n";
 

@@ -5,7 +5,8 @@
 //! (`--isolation node`) is fast but keeps what each call leaves behind.
 //! Here a resident takes a [`memory::Snapshot`] where it waits for its
 //! first call, after its set-up, and after each call:
-//! 1. ends every process the call started ([`end_what_the_call_started`]);
+//! 1. ends every process the call started ([`end_what_the_call_started`]),
+//!    and the threads of the numeric libraries' pools it woke;
 //! 2. puts back every page the call wrote, unmaps what it mapped, returns
 //!    the heap's break ([`memory::Snapshot::restore`]);
 //! 3. compares what memory cannot hold with what it was ([`state::State`]):
@@ -38,10 +39,11 @@ pub struct Reset {
 
 impl Reset {
     /// Takes the snapshot, here and now: nothing of a call may be in this
-    /// process's memory. One thread only.
-    pub fn take() -> Result<Reset, String> {
+    /// process's memory. One thread only: `end_pools` asks the pools that
+    /// run more to end theirs (true where it asked any).
+    pub fn take(end_pools: impl FnOnce() -> bool) -> Result<Reset, String> {
         let proc = ProcSelf::open().map_err(|e| format!("opening /proc/self: {e}"))?;
-        if threads(&proc) != Some(1) {
+        if !one_thread(&proc, end_pools) {
             return Err("the process runs more than one thread".into());
         }
         let cell = open_cell().map_err(|e| format!("opening its cell's cgroup.procs: {e}"))?;
@@ -68,12 +70,13 @@ impl Reset {
         self.snapshot.stack_start()
     }
 
-    /// After a call has replied: what it started ended, its memory put
-    /// back, the rest compared. `Err`: why this process can serve no more
-    /// calls (its memory may be the call's).
-    pub fn after_call(&self) -> Result<Restored, String> {
+    /// After a call has replied: what it started ended (`end_pools` ends
+    /// the threads of the pools it woke), its memory put back, the rest
+    /// compared. `Err`: why this process can serve no more calls (its
+    /// memory may be the call's).
+    pub fn after_call(&self, end_pools: impl FnOnce() -> bool) -> Result<Restored, String> {
         self.end_what_the_call_started()?;
-        if threads(&self.proc) != Some(1) {
+        if !one_thread(&self.proc, end_pools) {
             return Err("a thread the call started is still running".into());
         }
         let restored = self.snapshot.restore().map_err(|e| e.to_string())?;
@@ -139,6 +142,31 @@ impl Reset {
         Ok(others)
     }
 }
+
+/// Whether this process runs one thread, once `end_pools` has asked the
+/// pools of any others to end theirs. A pool's threads, asked, end at
+/// once but leave `/proc` a moment later; any other thread is the call's,
+/// and retires the resident.
+fn one_thread(proc: &ProcSelf, end_pools: impl FnOnce() -> bool) -> bool {
+    if threads(proc) == Some(1) {
+        return true;
+    }
+    if !end_pools() {
+        return false;
+    }
+    let asked = std::time::Instant::now();
+    loop {
+        match threads(proc) {
+            Some(1) => return true,
+            None => return false,
+            Some(_) if asked.elapsed() > POOLS_ENDING_WITHIN => return false,
+            Some(_) => std::thread::sleep(Duration::from_micros(100)),
+        }
+    }
+}
+
+/// How long the threads of pools asked to end are given to leave.
+const POOLS_ENDING_WITHIN: Duration = Duration::from_millis(50);
 
 /// Threads of this process, as `proc` lists them (`None`: unreadable).
 fn threads(proc: &ProcSelf) -> Option<usize> {

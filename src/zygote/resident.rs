@@ -909,7 +909,7 @@ fn serve_resetting(
     // wait a resident allocates nothing and faults nothing in (its pages
     // were just put back), and the zygote, told, finds it waiting.
     let mut space = crate::link::ReceiveSpace::new();
-    let reset = crate::reset::Reset::take();
+    let reset = crate::reset::Reset::take(super::threads::end_pools);
     match &reset {
         Ok(_) => say_ready(&control),
         // Its first call is served as a fresh child's, then it is gone.
@@ -934,7 +934,7 @@ fn serve_resetting(
         let Ok(reset) = &reset else {
             crate::process::exit_now(0)
         };
-        if let Err(why) = reset.after_call() {
+        if let Err(why) = reset.after_call(super::threads::end_pools) {
             tell(&control, &format!("{RETIRED}{why}"));
             crate::process::exit_now(0)
         }

@@ -470,6 +470,59 @@ pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
     result
 }
 
+/// Ends the threads a call's pools started, as each library ends them
+/// itself: OpenBLAS's server as it does before a fork
+/// (`blas_thread_shutdown_`), an OpenMP runtime's team by
+/// `omp_pause_resource_all(omp_pause_hard)` (libgomp, LLVM's and Intel's
+/// runtimes; MKL's threads are the latter's). For a reset resident, whose
+/// memory is put back only where it runs one thread again: a pool asked
+/// for more than one thread per call starts its threads in every call.
+/// Libraries the call loaded itself are looked for too: their threads run
+/// code the put-back unmaps. Returns whether any pool was asked to end.
+pub fn end_pools() -> bool {
+    const OMP_PAUSE_HARD: c_int = 2;
+    let mut asked = false;
+    for path in loaded_libraries() {
+        let name = path
+            .to_bytes()
+            .rsplit(|&b| b == b'/')
+            .next()
+            .unwrap_or_default();
+        let Some(kind) = Kind::of(&String::from_utf8_lossy(name)) else {
+            continue;
+        };
+        let ender = match kind {
+            Kind::OpenBlas => "blas_thread_shutdown_",
+            Kind::OpenMp => "omp_pause_resource_all",
+            Kind::Mkl | Kind::Blis | Kind::FlexiBlas => continue,
+        };
+        // SAFETY: RTLD_NOLOAD only finds a library already loaded.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        if handle.is_null() {
+            continue;
+        }
+        if let Some(end) = symbol(handle, ender) {
+            asked = true;
+            // SAFETY: each by its signature, found by name in a loaded
+            // library, called on the thread that ran the call (the one an
+            // OpenMP team belongs to).
+            unsafe {
+                if kind == Kind::OpenBlas {
+                    let end: unsafe extern "C" fn() -> c_int = std::mem::transmute(end);
+                    end();
+                } else {
+                    // `omp_pause_resource_t` is a C enum: an int.
+                    let end: unsafe extern "C" fn(c_int) -> c_int = std::mem::transmute(end);
+                    end(OMP_PAUSE_HARD);
+                }
+            }
+        }
+        // SAFETY: the reference dlopen just took.
+        unsafe { libc::dlclose(handle) };
+    }
+    asked
+}
+
 impl Pool {
     /// What an OpenMP, MKL or OpenBLAS pool is asked to run on now.
     fn asked(&self) -> Option<usize> {
