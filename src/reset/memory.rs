@@ -822,3 +822,78 @@ impl Drop for BlockedSignals {
         unsafe { libc::sigprocmask(libc::SIG_SETMASK, &self.0, std::ptr::null_mut()) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pages `scan` finds written between `start` and `end`, as page
+    /// numbers from `start`.
+    fn written_in(scan: Scan, k: &mut Keep, start: usize, end: usize) -> Vec<usize> {
+        let mut pages = Vec::new();
+        let mut from = start;
+        while from < end {
+            let (found, next) = written_pages(scan, k, from, end).expect("a scan");
+            for range in &k.written[..found] {
+                pages.extend((range.start as usize..range.end as usize).step_by(PAGE));
+            }
+            from = next;
+        }
+        pages.iter().map(|page| (page - start) / PAGE).collect()
+    }
+
+    /// Kernels before 6.7 have no `PAGEMAP_SCAN`: the pagemap file, read
+    /// instead, must find the same pages.
+    #[test]
+    fn the_pagemap_file_finds_the_written_pages_the_ioctl_finds() {
+        const PAGES: usize = 96;
+        // SAFETY: a fresh memfd, sized, mapped private; pages read, some
+        // written; all of it this test's own.
+        let (start, end) = unsafe {
+            let memfd = libc::memfd_create(c"written-pages".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(memfd >= 0);
+            assert_eq!(libc::ftruncate(memfd, (PAGES * PAGE) as libc::off_t), 0);
+            let at = libc::mmap(
+                std::ptr::null_mut(),
+                PAGES * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE,
+                memfd,
+                0,
+            );
+            assert_ne!(at, libc::MAP_FAILED);
+            libc::close(memfd);
+            let base = at as usize;
+            // Every other page read (present, the file's), a few written.
+            for page in (0..PAGES).step_by(2) {
+                std::ptr::read_volatile((base + page * PAGE) as *const u8);
+            }
+            for page in [3, 4, 5, 10, 40, 95] {
+                std::ptr::write_volatile((base + page * PAGE) as *mut u8, 1);
+            }
+            (base, base + PAGES * PAGE)
+        };
+        let keep = reserve_keep().expect("the tables");
+        // SAFETY: the mapping just reserved, this test's alone.
+        let k = unsafe { &mut *keep };
+        let mut kept = Vec::new();
+        let pagemap = open_kept(c"/proc/self/pagemap", &mut kept).expect("the pagemap");
+        let by_file = written_in(Scan::Pagemap(pagemap), k, start, end);
+        assert_eq!(by_file, [3, 4, 5, 10, 40, 95]);
+        // From within the range, where a scan that filled its table goes on.
+        let by_file_from_one = written_in(Scan::Pagemap(pagemap), k, start + 4 * PAGE, end);
+        assert_eq!(by_file_from_one, [0, 1, 6, 36, 91]);
+        match open_scan(&mut kept).expect("a scan") {
+            scan @ Scan::Ioctl(_) => assert_eq!(written_in(scan, k, start, end), by_file),
+            Scan::Pagemap(_) => eprintln!("no PAGEMAP_SCAN here: the file alone is checked"),
+        }
+        // SAFETY: both mappings made here, unused from here.
+        unsafe {
+            libc::munmap(start as *mut libc::c_void, end - start);
+            libc::munmap(
+                keep.cast(),
+                std::mem::size_of::<Keep>().next_multiple_of(PAGE),
+            );
+        }
+    }
+}

@@ -43,7 +43,7 @@ impl Reset {
     /// run more to end theirs (true where it asked any).
     pub fn take(end_pools: impl FnOnce() -> bool) -> Result<Reset, String> {
         let proc = ProcSelf::open().map_err(|e| format!("opening /proc/self: {e}"))?;
-        if !one_thread(&proc, end_pools) {
+        if one_thread(&proc, end_pools).is_none() {
             return Err("the process runs more than one thread".into());
         }
         let cell = open_cell().map_err(|e| format!("opening its cell's cgroup.procs: {e}"))?;
@@ -74,15 +74,18 @@ impl Reset {
     /// the threads of the pools it woke), its memory put back, the rest
     /// compared. `Err`: why this process can serve no more calls (its
     /// memory may be the call's).
-    pub fn after_call(&self, end_pools: impl FnOnce() -> bool) -> Result<Restored, String> {
+    pub fn after_call(&self, end_pools: impl FnOnce() -> bool) -> Result<AfterCall, String> {
         self.end_what_the_call_started()?;
-        if !one_thread(&self.proc, end_pools) {
+        let Some(ended_threads) = one_thread(&self.proc, end_pools) else {
             return Err("a thread the call started is still running".into());
-        }
+        };
         let restored = self.snapshot.restore().map_err(|e| e.to_string())?;
         match self.state().changed_from(&self.baseline) {
             Some(change) => Err(change),
-            None => Ok(restored),
+            None => Ok(AfterCall {
+                restored,
+                ended_threads,
+            }),
         }
     }
 
@@ -143,24 +146,31 @@ impl Reset {
     }
 }
 
+/// What a put-back after a call did.
+pub struct AfterCall {
+    pub restored: Restored,
+    /// The call ran threads of its pools, ended since: it had more than
+    /// one CPU's work.
+    pub ended_threads: bool,
+}
+
 /// Whether this process runs one thread, once `end_pools` has asked the
-/// pools of any others to end theirs. A pool's threads, asked, end at
-/// once but leave `/proc` a moment later; any other thread is the call's,
-/// and retires the resident.
-fn one_thread(proc: &ProcSelf, end_pools: impl FnOnce() -> bool) -> bool {
+/// pools of any others to end theirs: `Some(true)` where it had to. A
+/// pool's threads, asked, end at once but leave `/proc` a moment later;
+/// any other thread is the call's, and retires the resident (`None`).
+fn one_thread(proc: &ProcSelf, end_pools: impl FnOnce() -> bool) -> Option<bool> {
     if threads(proc) == Some(1) {
-        return true;
+        return Some(false);
     }
     if !end_pools() {
-        return false;
+        return None;
     }
     let asked = std::time::Instant::now();
     loop {
-        match threads(proc) {
-            Some(1) => return true,
-            None => return false,
-            Some(_) if asked.elapsed() > POOLS_ENDING_WITHIN => return false,
-            Some(_) => std::thread::sleep(Duration::from_micros(100)),
+        match threads(proc)? {
+            1 => return Some(true),
+            _ if asked.elapsed() > POOLS_ENDING_WITHIN => return None,
+            _ => std::thread::sleep(Duration::from_micros(100)),
         }
     }
 }

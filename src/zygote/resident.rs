@@ -67,6 +67,9 @@ pub struct Resident {
     watched: Option<Watched>,
     /// `--isolation reset`, after a call: how far it is seen put back.
     put_back: PutBack,
+    /// `--isolation reset`: a call of its ran its pools' threads (its word
+    /// said so): the node's calls have more than one CPU's work.
+    ran_threads: bool,
     /// A link's call: the read end of the pipe its lines went down, whose
     /// owner reads them. No one else's call is handed it before that owner
     /// has read them all, so nothing the owner does for its call (a late
@@ -113,6 +116,7 @@ impl Resident {
             wait_point: None,
             watched: None,
             put_back: PutBack::Serving,
+            ran_threads: false,
             owner_end: None,
         }
     }
@@ -280,7 +284,7 @@ impl Resident {
     /// Reads its word after its last call (waiting for it): on its way to
     /// its wait from now, if the word is "ready".
     fn take_word(&mut self) -> Result<(), String> {
-        self.read_word()?;
+        self.ran_threads |= self.read_word()?;
         self.put_back = PutBack::OnItsWay {
             since: std::time::Instant::now(),
             elsewhere_since: None,
@@ -301,9 +305,10 @@ impl Resident {
         matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
     }
 
-    /// Reads its word from the control socket: `Ok` for "ready", the
-    /// reason it gives (or that it exited) otherwise.
-    fn read_word(&self) -> Result<(), String> {
+    /// Reads its word from the control socket: `Ok` for "ready" (`true`
+    /// where its call ran its pools' threads), the reason it gives (or that
+    /// it exited) otherwise.
+    fn read_word(&self) -> Result<bool, String> {
         use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
         let mut fds = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
         let within =
@@ -326,10 +331,12 @@ impl Resident {
         if let Some(why) = word.lines().find_map(|line| line.strip_prefix(RETIRED)) {
             return Err(why.to_string());
         }
-        if word.lines().any(|line| line == READY) {
-            Ok(())
-        } else {
-            Err("it exited".into())
+        match word
+            .lines()
+            .find(|&line| line == READY || line == READY_THREADED)
+        {
+            Some(line) => Ok(line == READY_THREADED),
+            None => Err("it exited".into()),
         }
     }
 
@@ -473,6 +480,8 @@ pub(super) struct Residents {
     /// `--isolation reset`: each is put back after its call, and says
     /// whether it could be before it is handed the next.
     reset: bool,
+    /// Nodes whose calls ran their pools' threads, as a resident said.
+    threaded: std::collections::HashSet<NodeKey>,
 }
 
 /// Whether this zygote's residents are put back after each call: set in
@@ -486,6 +495,7 @@ impl Residents {
             idle: HashMap::new(),
             max_calls,
             reset,
+            threaded: Default::default(),
         }
     }
 
@@ -507,6 +517,7 @@ impl Residents {
     ) -> Option<Resident> {
         self.retire_stale(key, digest, generation, &mut land);
         loop {
+            let spares = self.spares(key);
             let resident = if self.reset {
                 // One seen at its wait first, then one that said its word.
                 let idle = self.idle.get_mut(key)?;
@@ -517,7 +528,7 @@ impl Residents {
                     // None said its word as it was asked just now: asked
                     // again, one that has since would make this fork a
                     // resident too many.
-                    None if idle.len() <= SPARE_RESIDENTS => return None,
+                    None if idle.len() <= spares => return None,
                     // Whichever is put back first: waiting on one in
                     // particular would leave another, put back meanwhile,
                     // idle. None within the time: all retired, and the
@@ -552,7 +563,12 @@ impl Residents {
             }
             let mut resident = resident;
             match resident.put_back() {
-                Ok(()) => return Some(resident),
+                Ok(()) => {
+                    if resident.ran_threads {
+                        self.threaded.insert(key.clone());
+                    }
+                    return Some(resident);
+                }
                 Err(why) => resident.not_put_back(&why, &mut land),
             }
         }
@@ -574,6 +590,7 @@ impl Residents {
             return PutBackWait::No;
         }
         self.retire_stale(key, digest, generation, &mut land);
+        let spares = self.spares(key);
         let Some(idle) = self.idle.get_mut(key) else {
             return PutBackWait::No;
         };
@@ -582,7 +599,7 @@ impl Residents {
         }
         // None said its word: with no spare, the caller forks one.
         let on_its_way = idle.iter().any(Resident::said_its_word);
-        if !on_its_way && idle.len() <= SPARE_RESIDENTS {
+        if !on_its_way && idle.len() <= spares {
             return PutBackWait::No;
         }
         PutBackWait::Until {
@@ -595,15 +612,45 @@ impl Residents {
         }
     }
 
+    /// Idle residents node `key` may have beside its calls in flight (see
+    /// [`SPARE_RESIDENTS`]): one put back beside the next call takes a CPU
+    /// from it, so none where the calls in flight leave no CPU free, each
+    /// counted at its share of them where the node's calls ran their pools'
+    /// threads. (Measured, 2 CPUs: at `-j 2` a spare cost 8-15%; at `-j 1`
+    /// with two BLAS threads a call, half the throughput.)
+    fn spares(&self, key: &NodeKey) -> usize {
+        let threads = if self.threaded.contains(key) {
+            super::threads::per_call()
+        } else {
+            1
+        };
+        if super::threads::calls_in_flight() * threads < super::threads::cpus() {
+            SPARE_RESIDENTS
+        } else {
+            0
+        }
+    }
+
     /// Puts back a resident that has replied to one more call; retired
     /// (its flight to `land`) once it has served its last.
     pub(super) fn keep(&mut self, mut resident: Resident, mut land: impl FnMut(Flight)) {
         resident.calls += 1;
         if self.max_calls.is_some_and(|max| resident.calls >= max) {
             resident.retire(&mut land);
-        } else {
-            let key = resident.key.clone();
-            self.idle.entry(key).or_default().push(resident);
+            return;
+        }
+        let key = resident.key.clone();
+        // A node whose calls turned out to run their pools' threads keeps
+        // no more idle residents than its calls in flight and its spares:
+        // one forked as a spare before would go on being put back beside
+        // the next call, on the CPUs that call's threads need.
+        let room = (self.reset && self.threaded.contains(&key))
+            .then(|| super::threads::calls_in_flight() + self.spares(&key));
+        let idle = self.idle.entry(key).or_default();
+        idle.push(resident);
+        while room.is_some_and(|room| idle.len() > room) {
+            // The one just kept is the last: others go first.
+            idle.remove(0).retire(&mut land);
         }
     }
 
@@ -771,6 +818,7 @@ fn read_from_start(file: &Claimed) -> std::io::Result<String> {
 /// else gets one more, forked (the put-back runs beside the next call, not
 /// before it). (Two measured ~5% on trivial calls back to back through
 /// `worker`: what a call shares is the put-back's CPU, not the wait for it.)
+/// Only where a CPU is free ([`Residents::spares`]).
 const SPARE_RESIDENTS: usize = 1;
 /// How long [`Resident::put_back`] looks at a resident on its way to its
 /// wait turn after turn before it sleeps between looks.
@@ -787,6 +835,9 @@ const BLOCKED_ELSEWHERE_WITHIN: std::time::Duration = std::time::Duration::from_
 /// A reset resident's word: put back, waiting for its next call ...
 const READY: &str = "ready";
 const READY_LINE: &[u8] = b"ready\n";
+/// ... after a call that ran its pools' threads (ended since) ...
+const READY_THREADED: &str = "ready, its pools' threads ended";
+const READY_THREADED_LINE: &[u8] = b"ready, its pools' threads ended\n";
 /// ... or not, and why.
 const RETIRED: &str = "retired: ";
 
@@ -911,7 +962,7 @@ fn serve_resetting(
     let mut space = crate::link::ReceiveSpace::new();
     let reset = crate::reset::Reset::take(super::threads::end_pools);
     match &reset {
-        Ok(_) => say_ready(&control),
+        Ok(_) => say_ready(&control, false),
         // Its first call is served as a fresh child's, then it is gone.
         Err(why) => tell(
             &control,
@@ -934,15 +985,18 @@ fn serve_resetting(
         let Ok(reset) = &reset else {
             crate::process::exit_now(0)
         };
-        if let Err(why) = reset.after_call(super::threads::end_pools) {
-            tell(&control, &format!("{RETIRED}{why}"));
-            crate::process::exit_now(0)
-        }
+        let after = match reset.after_call(super::threads::end_pools) {
+            Ok(after) => after,
+            Err(why) => {
+                tell(&control, &format!("{RETIRED}{why}"));
+                crate::process::exit_now(0)
+            }
+        };
         if let Some(stack) = reset.stack_start() {
             crate::reset::wipe_stack_below(stack);
         }
         // Last before the wait: the zygote, told, finds it there at once.
-        say_ready(&control);
+        say_ready(&control, after.ended_threads);
     }
 }
 
@@ -1044,9 +1098,15 @@ impl ReplyFd {
     }
 }
 
-/// [`READY`] to the zygote, with nothing allocated: right before its wait.
-fn say_ready(control: &OwnedFd) {
-    let _ = super::channel::write_all(control.as_raw_fd(), READY_LINE);
+/// [`READY`] (or [`READY_THREADED`]) to the zygote, with nothing
+/// allocated: right before its wait.
+fn say_ready(control: &OwnedFd, ended_threads: bool) {
+    let line = if ended_threads {
+        READY_THREADED_LINE
+    } else {
+        READY_LINE
+    };
+    let _ = super::channel::write_all(control.as_raw_fd(), line);
 }
 
 /// A word to the zygote on the control socket.

@@ -102,7 +102,8 @@ pub fn set_calls_in_flight(calls: usize) {
     }
 }
 
-fn calls_in_flight() -> usize {
+/// The calls in flight, as whoever knows says ([`set_calls_in_flight`]).
+pub fn calls_in_flight() -> usize {
     let page = IN_FLIGHT.load(Ordering::Relaxed);
     if page.is_null() {
         return 1;
