@@ -157,25 +157,35 @@ pub struct AfterCall {
 /// Whether this process runs one thread, once `end_pools` has asked the
 /// pools of any others to end theirs: `Some(true)` where it had to. A
 /// pool's threads, asked, end at once but leave `/proc` a moment later;
-/// any other thread is the call's, and retires the resident (`None`).
+/// any other thread is the call's, and retires the resident (`None`):
+/// once none has left for a while, none is waited for longer.
 fn one_thread(proc: &ProcSelf, end_pools: impl FnOnce() -> bool) -> Option<bool> {
-    if threads(proc) == Some(1) {
+    let mut left = threads(proc)?;
+    if left == 1 {
         return Some(false);
     }
     if !end_pools() {
         return None;
     }
     let asked = std::time::Instant::now();
+    let mut last_left = asked;
     loop {
         match threads(proc)? {
             1 => return Some(true),
-            _ if asked.elapsed() > POOLS_ENDING_WITHIN => return None,
-            _ => std::thread::sleep(Duration::from_micros(100)),
+            now if now < left => (left, last_left) = (now, std::time::Instant::now()),
+            _ if last_left.elapsed() > POOLS_ENDING_WITHIN / 5
+                || asked.elapsed() > POOLS_ENDING_WITHIN =>
+            {
+                return None;
+            }
+            _ => {}
         }
+        std::thread::sleep(Duration::from_micros(100));
     }
 }
 
-/// How long the threads of pools asked to end are given to leave.
+/// How long the threads of pools asked to end are given to leave (a
+/// fifth of it with none leaving).
 const POOLS_ENDING_WITHIN: Duration = Duration::from_millis(50);
 
 /// Threads of this process, as `proc` lists them (`None`: unreadable).
