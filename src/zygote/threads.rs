@@ -280,26 +280,24 @@ impl Pool {
     }
 }
 
+/// Each loaded library of a known kind, with its handle (`dlopen` of a
+/// loaded library, never closed).
+fn loaded_of_known_kinds() -> impl Iterator<Item = (Kind, *mut c_void)> {
+    loaded_libraries().into_iter().filter_map(|path| {
+        let name = path.to_bytes().rsplit(|&b| b == b'/').next()?;
+        let kind = Kind::of(&String::from_utf8_lossy(name))?;
+        // SAFETY: RTLD_NOLOAD only finds a library already loaded; it loads
+        // and runs nothing.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        (!handle.is_null()).then_some((kind, handle))
+    })
+}
+
 /// The thread pools loaded in this process: each library of a known kind,
 /// with its setter.
 fn loaded_pools() -> Vec<Pool> {
     let mut pools = Vec::new();
-    for path in loaded_libraries() {
-        let name = path
-            .to_bytes()
-            .rsplit(|&b| b == b'/')
-            .next()
-            .map(|n| String::from_utf8_lossy(n).into_owned())
-            .unwrap_or_default();
-        let Some(kind) = Kind::of(&name) else {
-            continue;
-        };
-        // SAFETY: RTLD_NOLOAD only finds a library already loaded; it loads
-        // and runs nothing.
-        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-        if handle.is_null() {
-            continue;
-        }
+    for (kind, handle) in loaded_of_known_kinds() {
         let Some(set) = kind.setters().iter().find_map(|name| symbol(handle, name)) else {
             continue;
         };
@@ -483,25 +481,12 @@ pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
 pub fn end_pools() -> bool {
     const OMP_PAUSE_HARD: c_int = 2;
     let mut asked = false;
-    for path in loaded_libraries() {
-        let name = path
-            .to_bytes()
-            .rsplit(|&b| b == b'/')
-            .next()
-            .unwrap_or_default();
-        let Some(kind) = Kind::of(&String::from_utf8_lossy(name)) else {
-            continue;
-        };
+    for (kind, handle) in loaded_of_known_kinds() {
         let ender = match kind {
             Kind::OpenBlas => "blas_thread_shutdown_",
             Kind::OpenMp => "omp_pause_resource_all",
             Kind::Mkl | Kind::Blis | Kind::FlexiBlas => continue,
         };
-        // SAFETY: RTLD_NOLOAD only finds a library already loaded.
-        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-        if handle.is_null() {
-            continue;
-        }
         if let Some(end) = symbol(handle, ender) {
             asked = true;
             // SAFETY: each by its signature, found by name in a loaded
@@ -518,8 +503,6 @@ pub fn end_pools() -> bool {
                 }
             }
         }
-        // SAFETY: the reference dlopen just took.
-        unsafe { libc::dlclose(handle) };
     }
     asked
 }
