@@ -34,7 +34,7 @@ const ATTACKER: &str = r#"import os, signal
 def attack():
     SECRET = "".join(["victim-A-", "was-here-7d1c"]).encode()
     found = {"fds": {}, "pidfds": [], "eventfds": [], "sockets": [], "shared": [],
-             "seen": 0, "seen_in": [], "forged": 0, "signalled": 0}
+             "seen": 0, "seen_in": [], "forged": 0, "signalled": 0, "cwd": os.getcwd()}
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
@@ -146,7 +146,8 @@ fn assert_reached_nothing(found: &Value, isolation: &str) {
         .next()
         .unwrap_or("");
     // What the put-back reads after each call, kept open (`reset::pinned`):
-    // its own files below /proc/PID, read-only.
+    // its own files below /proc/PID, read-only; and the working directory
+    // it sets back (`O_PATH`), the call's own.
     let children = format!("/task/{own}/children");
     let own_proc = [
         "",
@@ -172,6 +173,7 @@ fn assert_reached_nothing(found: &Value, isolation: &str) {
                     .and_then(|rest| rest.strip_prefix(own))
                     .is_some_and(|rest| own_proc.contains(&rest))
                 || target == "/proc/locks"
+                || found["cwd"] == target
                 || (target.starts_with("/sys/fs/cgroup/") && target.ends_with("/cgroup.procs"))
                 || target.starts_with("/memfd:fluksio-reset"))
     };

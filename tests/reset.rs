@@ -2,9 +2,10 @@
 //! the memory it had before its first. The next call cannot tell it from a
 //! fresh fork: no module state, no cache, no kwargs or result of a call
 //! before it anywhere in its memory, nothing the call started still
-//! running. What memory cannot hold (an fd left open, a thread, a signal
-//! handler, the working directory...) retires the child, and a fresh fork
-//! serves on.
+//! running. What memory cannot hold is set back where the child can (a
+//! signal handler, the working directory, a limit...); what it cannot (an
+//! fd left open, a thread...) retires the child, and a fresh fork serves
+//! on.
 
 mod common;
 
@@ -228,33 +229,25 @@ def process(check=None):
     );
 }
 
-/// What one call may change that memory does not hold: each retires the
-/// child that ran it, and the next call gets a fresh one, which is put
-/// back after its own calls again.
+/// What one call may change that memory does not hold and the child
+/// cannot set back: each retires the child that ran it, and the next call
+/// gets a fresh one, which is put back after its own calls again.
 #[test]
 fn what_memory_cannot_put_back_retires_the_child_and_a_fresh_fork_serves_on() {
-    let source = r#"import ctypes, os, resource, signal, threading, time
+    let source = r#"import ctypes, os, signal, threading, time
 kept = []
 def process(change=None):
     if change == "fd":
         kept.append(open("/proc/self/status"))
     elif change == "thread":
         threading.Thread(target=time.sleep, args=(300,), daemon=True).start()
-    elif change == "signal":
-        signal.signal(signal.SIGUSR1, lambda *a: None)
-    elif change == "cwd":
-        os.chdir("/")
-    elif change == "umask":
-        os.umask(0o077)
-    elif change == "rlimit":
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
-    elif change == "timer":
-        signal.setitimer(signal.ITIMER_VIRTUAL, 100.0)
-    elif change == "name":
-        ctypes.CDLL(None).prctl(15, b"renamed", 0, 0, 0)
-    elif change == "mask":
+    elif change == "pending":
+        # Blocked and raised: setting the mask back would deliver it.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+        signal.raise_signal(signal.SIGUSR2)
+    elif change == "posix timer":
+        timer = ctypes.c_void_p()
+        assert ctypes.CDLL(None, use_errno=True).timer_create(1, None, ctypes.byref(timer)) == 0
     elif change == "lock":
         # A POSIX lock of this process's, on its stderr: held until it exits.
         import fcntl
@@ -276,9 +269,7 @@ def process(change=None):
             .map(|_| call(&mut worker, Value::Null).0)
             .collect::<Vec<_>>(),
     );
-    for change in [
-        "fd", "thread", "signal", "cwd", "umask", "rlimit", "timer", "name", "mask", "lock",
-    ] {
+    for change in ["fd", "thread", "pending", "posix timer", "lock"] {
         let (pid, echoed) = call(&mut worker, json!(change));
         assert_eq!(echoed, change);
         let after: Vec<i64> = (0..4).map(|_| call(&mut worker, Value::Null).0).collect();
@@ -287,6 +278,94 @@ def process(change=None):
             "{change}: the child that ran it ({pid}) was retired: {after:?}"
         );
         served_by_residents(&after);
+    }
+}
+
+/// What one call may change that the kernel holds and the child sets back
+/// itself (a signal handler, the working directory, the umask, a limit, a
+/// timer, its name, the mask, the nice value, its CPUs, a fault handler's
+/// alternate stack): the next call finds each as the first call did, and
+/// the child that ran it serves on.
+#[test]
+fn what_a_call_set_that_the_child_can_set_back_is_set_back_and_the_child_serves_on() {
+    let source = r#"import ctypes, faulthandler, os, resource, signal
+def seen():
+    status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines())
+    return {
+        "cwd": os.getcwd(),
+        "status": {k: status[k].strip() for k in ("Umask", "SigBlk", "SigIgn", "SigCgt")},
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+        "timers": [signal.getitimer(t) for t in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL)],
+        "name": open("/proc/self/comm").read(),
+        "nice": os.nice(0),
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
+def process(change=None):
+    if change == "signal":
+        signal.signal(signal.SIGUSR1, lambda *a: None)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    elif change == "cwd":
+        os.chdir("/")
+    elif change == "umask":
+        os.umask(0o077)
+    elif change == "rlimit":
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+    elif change == "timer":
+        signal.setitimer(signal.ITIMER_VIRTUAL, 100.0)
+        signal.setitimer(signal.ITIMER_REAL, 5.0)
+    elif change == "name":
+        ctypes.CDLL(None).prctl(15, b"renamed", 0, 0, 0)
+    elif change == "mask":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    elif change == "nice":
+        os.nice(1)
+    elif change == "cpus":
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    elif change == "faulthandler":
+        faulthandler.enable(file=2)
+    return [os.getpid(), seen()]
+"#;
+    let mut worker = reset_worker();
+    let mut id = 0;
+    let mut call = |worker: &mut Worker, change: Value| {
+        id += 1;
+        served(
+            &worker
+                .call(&run(id, "settings", source, json!({"change": change})))
+                .reply,
+        )
+    };
+    let first: Vec<(i64, Value)> = (0..4).map(|_| call(&mut worker, Value::Null)).collect();
+    let (_, before) = first[3].clone();
+    for change in [
+        "signal",
+        "cwd",
+        "umask",
+        "rlimit",
+        "timer",
+        "name",
+        "mask",
+        "nice",
+        "cpus",
+        "faulthandler",
+    ] {
+        let (pid, during) = call(&mut worker, json!(change));
+        // One CPU has no other to be moved to.
+        if change != "cpus" || before["cpus"].as_array().unwrap().len() > 1 {
+            assert_ne!(during, before, "{change}: the call changed something");
+        }
+        let after: Vec<(i64, Value)> = (0..4).map(|_| call(&mut worker, Value::Null)).collect();
+        for (_, seen) in &after {
+            assert_eq!(seen, &before, "{change}: set back for the next calls");
+        }
+        let mut pids: Vec<i64> = after.iter().map(|(pid, _)| *pid).collect();
+        assert!(
+            pids.contains(&pid),
+            "{change}: the child that ran it ({pid}) serves on: {pids:?}"
+        );
+        pids.push(pid);
+        served_by_residents(&pids);
     }
 }
 
@@ -558,9 +637,9 @@ def process(act, which=0):
         tried.push(json!({"act": "swap", "which": which}));
         tried.push(json!({"act": "seek", "which": which}));
     }
-    // A lock and a signal on a file (the snapshot's memfd) and on a /proc
-    // file, whichever fd each is.
-    for which in [0, kept - 1] {
+    // A lock and a signal on each (the snapshot's memfd, the /proc files;
+    // an `O_PATH` fd takes neither).
+    for which in 0..kept {
         tried.push(json!({"act": "lock", "which": which}));
         tried.push(json!({"act": "signal", "which": which}));
     }

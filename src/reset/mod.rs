@@ -11,7 +11,9 @@
 //!    the heap's break ([`memory::Snapshot::restore`]);
 //! 3. compares what memory cannot hold with what it was ([`state::State`]):
 //!    fds and their offsets, threads, child processes, signals, cwd, umask,
-//!    limits, credentials, timers, the kernel's copy of the environment.
+//!    limits, credentials, timers, the kernel's copy of the environment;
+//!    where anything changed, sets back what it can ([`settings::Settings`]:
+//!    signals, cwd, umask, limits, timers...) and compares again.
 //!
 //! Any change it cannot put back retires the resident: the zygote forks a
 //! fresh one, as safe as `--isolation call`, and says why.
@@ -20,18 +22,23 @@ pub mod heap;
 pub mod maps;
 pub mod memory;
 pub mod pinned;
+pub mod settings;
 pub mod state;
 
 use std::time::Duration;
 
 use memory::{Restored, Snapshot};
 use pinned::{Pinned, ProcSelf};
+use settings::Settings;
 use state::State;
 
 /// A resident's snapshot, and what the rest of the process was then.
 pub struct Reset {
     snapshot: Snapshot,
     baseline: State,
+    /// What of `baseline` is set back after each call rather than only
+    /// compared.
+    settings: Settings,
     proc: ProcSelf,
     /// Its cell's `cgroup.procs`, where cells are cgroups.
     cell: Option<Pinned>,
@@ -51,6 +58,7 @@ impl Reset {
         let snapshot = Snapshot::prepare().map_err(|e| e.to_string())?;
         let mut reset = Reset {
             baseline: State::default(),
+            settings: Settings::read(),
             snapshot,
             proc,
             cell,
@@ -80,7 +88,12 @@ impl Reset {
             return Err("a thread the call started is still running".into());
         };
         let restored = self.snapshot.restore().map_err(|e| e.to_string())?;
-        match self.state().changed_from(&self.baseline) {
+        let mut state = self.state();
+        if state != self.baseline {
+            self.settings.put_back();
+            state = self.state();
+        }
+        match state.changed_from(&self.baseline) {
             Some(change) => Err(change),
             None => Ok(AfterCall {
                 restored,
@@ -94,6 +107,7 @@ impl Reset {
         let mut kept: Vec<&Pinned> = self.proc.all().to_vec();
         kept.extend(self.snapshot.kept());
         kept.extend(&self.cell);
+        kept.extend(self.settings.kept());
         State::read(&self.proc, &kept)
     }
 

@@ -458,7 +458,7 @@ fn signals(state: &mut State) {
 }
 
 /// A signal set as the kernel holds it: one word, signal N at bit N - 1.
-fn word(set: &libc::sigset_t) -> u64 {
+pub(super) fn word(set: &libc::sigset_t) -> u64 {
     // SAFETY: sigset_t is at least 8 bytes; the kernel's set is its first
     // word.
     unsafe { std::ptr::read_unaligned((set as *const libc::sigset_t).cast::<u64>()) }

@@ -1,0 +1,154 @@
+//! The settings of this process the kernel holds that a call can change
+//! and the resident can set back itself: signal dispositions, the signal
+//! mask and the alternate stack, the working directory, the umask, the
+//! resource limits, the interval timers, the timer slack, the name, the
+//! nice value and the CPUs.
+//!
+//! A call that installs a signal handler (a library's import may),
+//! changes directory or lowers a limit would otherwise retire its
+//! resident. Set back, it costs nothing: the comparison that follows
+//! ([`super::state`]) still reads every item, and one that could not be
+//! set back (a hard limit raised again without the privilege, a signal
+//! pending, a directory gone) retires the resident as before.
+//!
+//! What is set back is read before the snapshot, so it lives in the
+//! snapshot's memory: it is set back only once memory is put back, and a
+//! call that wrote over it has had its writes undone.
+
+use std::os::fd::RawFd;
+
+use super::pinned::Pinned;
+
+/// The settings as they were when the snapshot was taken.
+pub struct Settings {
+    actions: Vec<(libc::c_int, libc::sigaction)>,
+    mask: libc::sigset_t,
+    alternate_stack: libc::stack_t,
+    /// The working directory (`O_PATH`); `None` if it could not be opened.
+    cwd: Option<Pinned>,
+    umask: libc::mode_t,
+    limits: Vec<(libc::c_int, libc::rlimit)>,
+    timers: [(libc::c_int, libc::itimerval); 3],
+    timer_slack: libc::c_ulong,
+    name: [u8; 16],
+    nice: libc::c_int,
+    cpus: libc::cpu_set_t,
+}
+
+impl Settings {
+    /// Reads them now.
+    pub fn read() -> Settings {
+        // SAFETY: each is a read of this process's settings into a local
+        // or a zeroed struct; umask is read by setting it and setting it
+        // back, with one thread running.
+        unsafe {
+            let mut actions = Vec::with_capacity(64);
+            for signal in 1..=libc::SIGRTMAX() {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                // SIGKILL, SIGSTOP and the C library's own fail.
+                if libc::sigaction(signal, std::ptr::null(), &mut action) == 0 {
+                    actions.push((signal, action));
+                }
+            }
+            let mut mask: libc::sigset_t = std::mem::zeroed();
+            libc::sigprocmask(libc::SIG_BLOCK, std::ptr::null(), &mut mask);
+            let mut alternate_stack: libc::stack_t = std::mem::zeroed();
+            libc::sigaltstack(std::ptr::null(), &mut alternate_stack);
+            let umask = libc::umask(0o022);
+            libc::umask(umask);
+            let mut limits = Vec::with_capacity(16);
+            // RLIMIT_CPU (0) to RLIMIT_RTTIME (15): all Linux has.
+            for resource in 0..16 {
+                let mut limit: libc::rlimit = std::mem::zeroed();
+                if libc::getrlimit(resource as _, &mut limit) == 0 {
+                    limits.push((resource, limit));
+                }
+            }
+            let mut timers = [
+                (libc::ITIMER_REAL, std::mem::zeroed()),
+                (libc::ITIMER_VIRTUAL, std::mem::zeroed()),
+                (libc::ITIMER_PROF, std::mem::zeroed()),
+            ];
+            for (which, timer) in &mut timers {
+                libc::getitimer(*which, timer);
+            }
+            let mut name = [0u8; 16];
+            libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr());
+            *libc::__errno_location() = 0;
+            let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
+            let mut cpus: libc::cpu_set_t = std::mem::zeroed();
+            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut cpus);
+            Settings {
+                actions,
+                mask,
+                alternate_stack,
+                cwd: open_cwd(),
+                umask,
+                limits,
+                timers,
+                timer_slack: libc::prctl(libc::PR_GET_TIMERSLACK) as libc::c_ulong,
+                name,
+                nice,
+                cpus,
+            }
+        }
+    }
+
+    /// The fd it keeps open: the working directory.
+    pub fn kept(&self) -> Option<&Pinned> {
+        self.cwd.as_ref()
+    }
+
+    /// Sets each back as it was read, as far as the kernel lets this
+    /// process: what it refuses stays as the call left it, for the
+    /// comparison to find. The timers first, so that none fires into a
+    /// disposition set back; the mask last, and only with nothing pending,
+    /// which it would deliver.
+    pub fn put_back(&self) {
+        // SAFETY: each sets a setting of this process to a value it had,
+        // read by the calls `read` pairs with them.
+        unsafe {
+            for (which, timer) in &self.timers {
+                libc::setitimer(*which, timer, std::ptr::null_mut());
+            }
+            for (signal, action) in &self.actions {
+                libc::sigaction(*signal, action, std::ptr::null_mut());
+            }
+            libc::sigaltstack(&self.alternate_stack, std::ptr::null_mut());
+            if let Some(fd) = self.cwd.as_ref().and_then(|cwd| cwd.fd().ok()) {
+                libc::fchdir(fd);
+            }
+            libc::umask(self.umask);
+            for (resource, limit) in &self.limits {
+                libc::setrlimit(*resource as _, limit);
+            }
+            libc::prctl(libc::PR_SET_TIMERSLACK, self.timer_slack);
+            libc::prctl(libc::PR_SET_NAME, self.name.as_ptr());
+            libc::setpriority(libc::PRIO_PROCESS, 0, self.nice);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.cpus);
+            let mut pending: libc::sigset_t = std::mem::zeroed();
+            libc::sigpending(&mut pending);
+            if super::state::word(&pending) == 0 {
+                libc::sigprocmask(libc::SIG_SETMASK, &self.mask, std::ptr::null_mut());
+            }
+        }
+    }
+}
+
+/// The working directory, open for `fchdir` (`O_PATH`: it reads nothing,
+/// and has no offset a call could move).
+fn open_cwd() -> Option<Pinned> {
+    // SAFETY: open with a NUL-terminated path.
+    let fd: RawFd = unsafe {
+        libc::open(
+            c".".as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    // A directory's change time moves as files are made in it: not part
+    // of what it is.
+    Pinned::adopt(fd, "the working directory it had").ok()
+}
