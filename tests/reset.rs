@@ -326,7 +326,7 @@ def process(change=None):
         faulthandler.enable(file=2)
     return [os.getpid(), seen()]
 "#;
-    let mut worker = reset_worker();
+    let mut worker = Worker::zygote_with(&["--isolation", "reset"], &[("RUST_LOG", "info")]);
     let mut id = 0;
     let mut call = |worker: &mut Worker, change: Value| {
         id += 1;
@@ -359,14 +359,85 @@ def process(change=None):
         for (_, seen) in &after {
             assert_eq!(seen, &before, "{change}: set back for the next calls");
         }
-        let mut pids: Vec<i64> = after.iter().map(|(pid, _)| *pid).collect();
+        // Not retired: still there, waiting for a call (which of a node's
+        // residents serves the next is the first put back).
+        let log = worker.stderr_so_far();
+        assert!(!log.contains("could not be put back"), "{change}: {log}");
         assert!(
-            pids.contains(&pid),
-            "{change}: the child that ran it ({pid}) serves on: {pids:?}"
+            !common::is_gone(pid as i32),
+            "{change}: the child that ran it ({pid}) serves on"
         );
+        let mut pids: Vec<i64> = after.iter().map(|(pid, _)| *pid).collect();
         pids.push(pid);
         served_by_residents(&pids);
     }
+}
+
+/// A node that leaves a thread behind in every call (as tqdm's monitor
+/// does) retires every resident it runs in. After a few calls in a row its
+/// calls get a fresh fork each instead, for a while, as under `--isolation
+/// call`: no call ever runs in a process an earlier call ran in. Through
+/// `worker` and a sweep alike.
+#[test]
+fn a_node_whose_residents_cannot_be_put_back_gets_fresh_forks_instead() {
+    let source = "import os, threading, time\ndef process(x):\n    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n    return [os.getpid(), x]\n";
+    let calls = 40;
+    let mut worker = Worker::zygote_with(&["--isolation", "reset"], &[("RUST_LOG", "info")]);
+    let pids: Vec<i64> = (0..calls)
+        .map(|x| {
+            let (pid, echoed) = served(
+                &worker
+                    .call(&run(x, "threads", source, json!({"x": x})))
+                    .reply,
+            );
+            assert_eq!(echoed, x);
+            pid
+        })
+        .collect();
+    let (_, log) = worker.finish();
+    let mut distinct = pids.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), pids.len(), "each call a process of its own");
+    assert!(log.contains("get a fresh fork each"), "{log}");
+    let retired = log.matches("could not be put back after its call").count();
+    assert!(
+        retired < 10,
+        "{retired} of {calls} calls forked a resident only to retire it: {log}"
+    );
+
+    let dir = common::scratch("reset-fallback");
+    let node = dir.join("threads.py");
+    std::fs::write(&node, source).unwrap();
+    let output = std::process::Command::new(common::ZYGOTE)
+        .args(["sweep", node.to_str().unwrap(), "--grid", "x=0..39"])
+        .args(["-j", "2", "--isolation", "reset"])
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let pids: Vec<i64> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| {
+            let line: Value = serde_json::from_str(l).unwrap();
+            served(&line).0
+        })
+        .collect();
+    assert_eq!(pids.len(), 40, "{stderr}");
+    let mut distinct = pids.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        pids.len(),
+        "each point a process of its own"
+    );
+    assert!(stderr.contains("get a fresh fork each"), "{stderr}");
+    let retired = stderr
+        .matches("could not be put back after its call")
+        .count();
+    assert!(retired < 12, "{retired} of 40 points: {stderr}");
 }
 
 /// What a call does in the normal course, that is put back, and must not

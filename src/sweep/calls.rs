@@ -229,7 +229,7 @@ impl<'a> Calls<'a> {
         kwargs: &Map<String, Value>,
     ) -> Result<(), String> {
         let request = self.node.request(Op::Run, &index.to_string(), Some(kwargs));
-        let started = if self.in_turn {
+        let started = if self.in_turn && !self.zygote.fresh_fork_instead(&self.key) {
             self.zygote
                 .start_resident(py, &request)
                 .map(Child::Resident)
@@ -396,6 +396,7 @@ impl<'a> Calls<'a> {
             log,
         } = call;
         // A resident's pipe closed: it is retired with its flight.
+        let resident = matches!(child, Child::Resident(_));
         let flight = child.into_flight();
         let started = flight.started;
         let too_large = flight.too_large();
@@ -411,6 +412,10 @@ impl<'a> Calls<'a> {
             let end = End::Process(landed.reaped.end);
             answer.ended_without_reply(&end);
             answer.reply(&end.reply(&id, "", &landed.logs.text_lossy()));
+        }
+        if resident && landed.replied {
+            // It replied, then retired itself rather than be put back.
+            self.zygote.resident_ended_after_its_call(&self.key);
         }
         self.zygote.recycle(landed.logs);
         log.end(Some(&answer.reply));

@@ -20,7 +20,8 @@
 //! This file is the `Zygote`: where a request is placed (trial, compiled,
 //! resident, a node's own zygote) and its call run to its end. What it
 //! uses sits below it and never names it: `runner` (calls run in children),
-//! `standby`, `resident`, `compiled` (the nodes it holds), `trial`, `own`
+//! `standby`, `resident` (and its `fallback`), `compiled` (the nodes it
+//! holds), `trial`, `own`
 //! and `app` (a node's own zygote), `startup`. What drives it over links
 //! (`server`), and the worker's zygote, whose heavy nodes get zygotes of
 //! their own (`heavy`), sit above it.
@@ -31,6 +32,7 @@ pub mod channel;
 pub mod child;
 mod compiled;
 pub mod device;
+mod fallback;
 pub mod flight;
 pub mod heavy;
 pub mod learn;
@@ -266,7 +268,15 @@ impl Zygote {
             }
             trial_logs = Some(landed.logs);
         }
-        if detach && self.placement.resident_for_link() {
+        let in_resident = if detach {
+            self.placement.resident_for_link()
+        } else {
+            self.placement.resident(false)
+        };
+        // Under `--isolation reset`, a node whose residents could not be
+        // put back call after call gets fresh forks for a while instead.
+        let in_resident = in_resident && !self.runner.fresh_fork_instead(&key);
+        if in_resident && detach {
             let resident = assignment(Task::Resident);
             let _held = resident.held();
             return match self
@@ -283,7 +293,7 @@ impl Zygote {
                 Err(error) => Err(runner::not_started(&resident, error, out)),
             };
         }
-        if self.placement.resident(detach) {
+        if in_resident {
             let resident = assignment(Task::Resident);
             return self
                 .runner
@@ -388,6 +398,19 @@ impl Zygote {
         self.runner
             .resident(py, &self.nodes, &assignment, None)
             .map(|(resident, _)| resident)
+    }
+
+    /// `--isolation reset`: whether node `key`'s next run gets a fresh
+    /// fork ([`Zygote::start_run`]) rather than a resident, its residents
+    /// having failed to be put back call after call.
+    pub fn fresh_fork_instead(&mut self, key: &NodeKey) -> bool {
+        self.runner.fresh_fork_instead(key)
+    }
+
+    /// A resident of node `key` replied to its run, then exited before it
+    /// was given back: under `--isolation reset`, it could not be put back.
+    pub fn resident_ended_after_its_call(&mut self, key: &NodeKey) {
+        self.runner.resident_ended_after_its_call(key);
     }
 
     /// `--isolation reset`: whether starting a resident for node `key`

@@ -390,14 +390,20 @@ impl Resident {
     }
 
     /// Retires it, put back after its call it could not be: the next call
-    /// gets a fresh fork.
-    fn not_put_back(self, why: &str, land: &mut impl FnMut(Flight)) {
+    /// gets a fresh fork, and `fallbacks` counts it against its node.
+    fn not_put_back(
+        self,
+        why: &str,
+        land: &mut impl FnMut(Flight),
+        fallbacks: &mut super::fallback::Fallbacks,
+    ) {
         tracing::info!(
             pid = self.flight.pid.as_raw(),
             "a resident could not be put back after its call ({why}); \
              the next call gets a fresh fork"
         );
         crate::metrics::reset_retired();
+        fallbacks.retired(&self.key, why);
         self.retire(land);
     }
 
@@ -482,6 +488,8 @@ pub(super) struct Residents {
     reset: bool,
     /// Nodes whose calls ran their pools' threads, as a resident said.
     threaded: std::collections::HashSet<NodeKey>,
+    /// Nodes whose residents could not be put back, call after call.
+    fallbacks: super::fallback::Fallbacks,
 }
 
 /// Whether this zygote's residents are put back after each call: set in
@@ -496,6 +504,7 @@ impl Residents {
             max_calls,
             reset,
             threaded: Default::default(),
+            fallbacks: Default::default(),
         }
     }
 
@@ -521,7 +530,7 @@ impl Residents {
             let resident = if self.reset {
                 // One seen at its wait first, then one that said its word.
                 let idle = self.idle.get_mut(key)?;
-                match first_at_its_wait(idle, &mut land)
+                match first_at_its_wait(idle, &mut land, &mut self.fallbacks)
                     .or_else(|| idle.iter().position(Resident::said_its_word))
                 {
                     Some(at) => idle.swap_remove(at),
@@ -541,6 +550,7 @@ impl Residents {
                                  they are retired, and the next call gets a fresh fork"
                             );
                             self.retire(key, &mut land);
+                            self.fallbacks.retired(key, "none was put back in time");
                             return None;
                         }
                     },
@@ -567,11 +577,40 @@ impl Residents {
                     if resident.ran_threads {
                         self.threaded.insert(key.clone());
                     }
+                    self.fallbacks.put_back(key);
                     return Some(resident);
                 }
-                Err(why) => resident.not_put_back(&why, &mut land),
+                Err(why) => resident.not_put_back(&why, &mut land, &mut self.fallbacks),
             }
         }
+    }
+
+    /// `--isolation reset`: whether node `key`'s next call gets a fresh
+    /// fork rather than a resident, its residents having failed to be put
+    /// back call after call (`fallback`).
+    pub(super) fn fresh_fork_instead(&mut self, key: &NodeKey) -> bool {
+        self.reset && self.fallbacks.fresh_fork_instead(key)
+    }
+
+    /// A resident of node `key` replied, then exited before it was given
+    /// back (a sweep sees both at once): under `--isolation reset` it
+    /// retired itself, not put back.
+    pub(super) fn ended_after_its_call(&mut self, key: &NodeKey) {
+        if !self.reset {
+            return;
+        }
+        tracing::info!(
+            "a resident could not be put back after its call (it ended once it replied); \
+             the next call gets a fresh fork"
+        );
+        crate::metrics::reset_retired();
+        self.fallbacks.retired(key, "it ended once it replied");
+    }
+
+    /// `--isolation reset`: a resident of node `key` could not take its
+    /// snapshot (`why`), and serves one call.
+    pub(super) fn no_snapshot(&mut self, key: &NodeKey, why: &str) {
+        self.fallbacks.retired(key, why);
     }
 
     /// `--isolation reset`: whether [`Residents::take`] would wait for one
@@ -594,7 +633,7 @@ impl Residents {
         let Some(idle) = self.idle.get_mut(key) else {
             return PutBackWait::No;
         };
-        if first_at_its_wait(idle, &mut land).is_some() {
+        if first_at_its_wait(idle, &mut land, &mut self.fallbacks).is_some() {
             return PutBackWait::No;
         }
         // None said its word: with no spare, the caller forks one.
@@ -706,13 +745,17 @@ impl Residents {
 
 /// The first of `idle` seen at its wait, each looked at once (those that
 /// cannot be put back retired, their flights to `land`).
-fn first_at_its_wait(idle: &mut Vec<Resident>, land: &mut impl FnMut(Flight)) -> Option<usize> {
+fn first_at_its_wait(
+    idle: &mut Vec<Resident>,
+    land: &mut impl FnMut(Flight),
+    fallbacks: &mut super::fallback::Fallbacks,
+) -> Option<usize> {
     let mut at = 0;
     while at < idle.len() {
         match idle[at].look() {
             Ok(true) => return Some(at),
             Ok(false) => at += 1,
-            Err(why) => idle.swap_remove(at).not_put_back(&why, land),
+            Err(why) => idle.swap_remove(at).not_put_back(&why, land, fallbacks),
         }
     }
     None

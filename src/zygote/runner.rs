@@ -282,9 +282,21 @@ impl Runner {
             // before the next.
             tracing::info!("a resident could not take its snapshot ({why}); it serves one call");
             crate::metrics::reset_retired();
+            self.residents.no_snapshot(&assignment.key, &why);
         }
         resident.hand(assignment, call_pipe());
         Ok((resident, true))
+    }
+
+    /// Whether node `key`'s next call gets a fresh fork rather than a
+    /// resident: see [`Residents::fresh_fork_instead`].
+    pub(super) fn fresh_fork_instead(&mut self, key: &super::node::NodeKey) -> bool {
+        self.residents.fresh_fork_instead(key)
+    }
+
+    /// See [`Residents::ended_after_its_call`].
+    pub(super) fn resident_ended_after_its_call(&mut self, key: &super::node::NodeKey) {
+        self.residents.ended_after_its_call(key);
     }
 
     /// Where taking node `key`'s resident would wait for a put-back: see
