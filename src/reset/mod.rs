@@ -4,11 +4,12 @@
 //! A fresh child per call pays for copy-on-write on every call; a resident
 //! (`--isolation node`) is fast but keeps what each call leaves behind.
 //! Here a resident takes a [`memory::Snapshot`] where it waits for its
-//! first call, after its set-up, and after each call:
+//! first call, after its set-up, and after each call, signals held:
 //! 1. ends every process the call started ([`end_what_the_call_started`]),
 //!    and the threads of the numeric libraries' pools it woke;
 //! 2. puts back every page the call wrote, unmaps what it mapped, returns
-//!    the heap's break ([`memory::Snapshot::restore`]);
+//!    the heap's break ([`memory::Snapshot::restore`]), then the signal
+//!    dispositions ([`settings::Settings::put_back_signals`]);
 //! 3. compares what memory cannot hold with what it was ([`state::State`]):
 //!    fds and their offsets, threads, child processes, signals, cwd, umask,
 //!    limits, credentials, timers, the kernel's copy of the environment;
@@ -38,7 +39,7 @@ pub struct Reset {
     baseline: State,
     /// What of `baseline` is set back after each call rather than only
     /// compared.
-    settings: Settings,
+    settings: Box<Settings>,
     proc: ProcSelf,
     /// Its cell's `cgroup.procs`, where cells are cgroups.
     cell: Option<Pinned>,
@@ -83,11 +84,15 @@ impl Reset {
     /// compared. `Err`: why this process can serve no more calls (its
     /// memory may be the call's).
     pub fn after_call(&self, end_pools: impl FnOnce() -> bool) -> Result<AfterCall, String> {
+        // Until the dispositions are the snapshot's again, no signal runs a
+        // handler of the call's (in memory put back, or on its stack).
+        settings::hold_signals();
         self.end_what_the_call_started()?;
         let Some(ended_threads) = one_thread(&self.proc, end_pools) else {
             return Err("a thread the call started is still running".into());
         };
         let restored = self.snapshot.restore().map_err(|e| e.to_string())?;
+        self.settings.put_back_signals();
         let mut state = self.state();
         if state != self.baseline {
             self.settings.put_back();

@@ -1,8 +1,8 @@
 //! The settings of this process the kernel holds that a call can change
 //! and the resident can set back itself: signal dispositions, the signal
 //! mask and the alternate stack, the working directory, the umask, the
-//! resource limits, the interval timers, the timer slack, the name, the
-//! nice value and the CPUs.
+//! resource limits, the interval timers, the timer slack, the name and
+//! the nice value.
 //!
 //! A call that installs a signal handler (a library's import may),
 //! changes directory or lowers a limit would otherwise retire its
@@ -11,9 +11,17 @@
 //! set back (a hard limit raised again without the privilege, a signal
 //! pending, a directory gone) retires the resident as before.
 //!
-//! What is set back is read before the snapshot, so it lives in the
-//! snapshot's memory: it is set back only once memory is put back, and a
-//! call that wrote over it has had its writes undone.
+//! Signals are held from the moment a call is over ([`hold_signals`]): a
+//! handler the call installed, run once memory is put back, would write
+//! into that memory (CPython's notes a signal as tripped, for the next
+//! call to run its handler) or run the call's own code, and one running
+//! on the call's alternate stack would write its frame there. They stay
+//! held until every disposition and the alternate stack are the
+//! snapshot's again ([`Settings::put_back_signals`]).
+//!
+//! What is set back is read before the snapshot, onto the heap, so it is
+//! in the snapshot's memory: it is set back only once memory is put back,
+//! and a call that wrote over it has had its writes undone.
 
 use std::os::fd::RawFd;
 
@@ -32,12 +40,11 @@ pub struct Settings {
     timer_slack: libc::c_ulong,
     name: [u8; 16],
     nice: libc::c_int,
-    cpus: libc::cpu_set_t,
 }
 
 impl Settings {
     /// Reads them now.
-    pub fn read() -> Settings {
+    pub fn read() -> Box<Settings> {
         // SAFETY: each is a read of this process's settings into a local
         // or a zeroed struct; umask is read by setting it and setting it
         // back, with one thread running.
@@ -76,9 +83,7 @@ impl Settings {
             libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr());
             *libc::__errno_location() = 0;
             let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
-            let mut cpus: libc::cpu_set_t = std::mem::zeroed();
-            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut cpus);
-            Settings {
+            Box::new(Settings {
                 actions,
                 mask,
                 alternate_stack,
@@ -86,11 +91,10 @@ impl Settings {
                 umask,
                 limits,
                 timers,
-                timer_slack: libc::prctl(libc::PR_GET_TIMERSLACK) as libc::c_ulong,
+                timer_slack: timer_slack(),
                 name,
                 nice,
-                cpus,
-            }
+            })
         }
     }
 
@@ -99,11 +103,30 @@ impl Settings {
         self.cwd.as_ref()
     }
 
-    /// Sets each back as it was read, as far as the kernel lets this
+    /// Sets every signal's disposition and the alternate stack back, with
+    /// signals held ([`hold_signals`]); then the mask, where no signal is
+    /// pending (setting a disposition to ignore one drops it: a `SIGCHLD`
+    /// of the call's children, ended). One pending is left held, for the
+    /// comparison to find.
+    pub fn put_back_signals(&self) {
+        // SAFETY: each sets this process's signal settings to values they
+        // had, read by the calls `read` pairs with them.
+        unsafe {
+            for (signal, action) in &self.actions {
+                libc::sigaction(*signal, action, std::ptr::null_mut());
+            }
+            libc::sigaltstack(&self.alternate_stack, std::ptr::null_mut());
+            let mut pending: libc::sigset_t = std::mem::zeroed();
+            libc::sigpending(&mut pending);
+            if super::state::word(&pending) == 0 {
+                libc::sigprocmask(libc::SIG_SETMASK, &self.mask, std::ptr::null_mut());
+            }
+        }
+    }
+
+    /// Sets the rest back as it was read, as far as the kernel lets this
     /// process: what it refuses stays as the call left it, for the
-    /// comparison to find. The timers first, so that none fires into a
-    /// disposition set back; the mask last, and only with nothing pending,
-    /// which it would deliver.
+    /// comparison to find.
     pub fn put_back(&self) {
         // SAFETY: each sets a setting of this process to a value it had,
         // read by the calls `read` pairs with them.
@@ -111,10 +134,6 @@ impl Settings {
             for (which, timer) in &self.timers {
                 libc::setitimer(*which, timer, std::ptr::null_mut());
             }
-            for (signal, action) in &self.actions {
-                libc::sigaction(*signal, action, std::ptr::null_mut());
-            }
-            libc::sigaltstack(&self.alternate_stack, std::ptr::null_mut());
             if let Some(fd) = self.cwd.as_ref().and_then(|cwd| cwd.fd().ok()) {
                 libc::fchdir(fd);
             }
@@ -125,14 +144,34 @@ impl Settings {
             libc::prctl(libc::PR_SET_TIMERSLACK, self.timer_slack);
             libc::prctl(libc::PR_SET_NAME, self.name.as_ptr());
             libc::setpriority(libc::PRIO_PROCESS, 0, self.nice);
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.cpus);
-            let mut pending: libc::sigset_t = std::mem::zeroed();
-            libc::sigpending(&mut pending);
-            if super::state::word(&pending) == 0 {
-                libc::sigprocmask(libc::SIG_SETMASK, &self.mask, std::ptr::null_mut());
-            }
         }
     }
+}
+
+/// Holds every signal (SIGKILL and SIGSTOP aside), and disarms the
+/// interval timers, which needs nothing read before: from the moment a
+/// call is over no handler it installed runs, and nothing it armed fires,
+/// until [`Settings::put_back_signals`]. A timer the snapshot had armed
+/// is armed again by [`Settings::put_back`].
+pub fn hold_signals() {
+    // SAFETY: blocks signals for this, the only thread, and disarms its
+    // timers: a full set and a zeroed timer, both locals.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::sigprocmask(libc::SIG_BLOCK, &all, std::ptr::null_mut());
+        let disarmed: libc::itimerval = std::mem::zeroed();
+        for which in [libc::ITIMER_REAL, libc::ITIMER_VIRTUAL, libc::ITIMER_PROF] {
+            libc::setitimer(which, &disarmed, std::ptr::null_mut());
+        }
+    }
+}
+
+/// The timer slack, in nanoseconds, whole: glibc's `prctl` returns an
+/// `int`, which a slack of 2^32 ns or more would not fit.
+pub(super) fn timer_slack() -> libc::c_ulong {
+    // SAFETY: a read, by the system call itself, whose result is a long.
+    unsafe { libc::syscall(libc::SYS_prctl, libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) as libc::c_ulong }
 }
 
 /// The working directory, open for `fchdir` (`O_PATH`: it reads nothing,

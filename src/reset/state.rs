@@ -566,8 +566,7 @@ fn timers(state: &mut State, at: &Source<'_>) {
     state
         .name(format_args!("posix timers"))
         .file(at, &at.proc.timers);
-    // SAFETY: prctl reads.
-    let slack = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK) };
+    let slack = super::settings::timer_slack();
     state.add("timer slack", format_args!("{slack}"));
 }
 

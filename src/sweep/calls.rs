@@ -396,7 +396,10 @@ impl<'a> Calls<'a> {
             log,
         } = call;
         // A resident's pipe closed: it is retired with its flight.
-        let resident = matches!(child, Child::Resident(_));
+        let resident = match &child {
+            Child::Resident(resident) => Some(resident.tag()),
+            Child::Fresh(_) => None,
+        };
         let flight = child.into_flight();
         let started = flight.started;
         let too_large = flight.too_large();
@@ -413,9 +416,9 @@ impl<'a> Calls<'a> {
             answer.ended_without_reply(&end);
             answer.reply(&end.reply(&id, "", &landed.logs.text_lossy()));
         }
-        if resident && landed.replied {
+        if let (Some(tag), true) = (resident, landed.replied) {
             // It replied, then retired itself rather than be put back.
-            self.zygote.resident_ended_after_its_call(&self.key);
+            self.zygote.resident_ended_after_its_call(&tag);
         }
         self.zygote.recycle(landed.logs);
         log.end(Some(&answer.reply));

@@ -15,12 +15,23 @@ use std::collections::HashMap;
 
 use super::node::NodeKey;
 
-/// Residents retired in a row, each after its call, before a node's calls
+/// Residents retired in a row, each after one call, before a node's calls
 /// fall back to fresh forks.
 const RETIRED_IN_A_ROW: u32 = 3;
 /// The first stretch of fresh forks; each next one is twice as long.
 const FIRST_STRETCH: u32 = 16;
 const LONGEST_STRETCH: u32 = 1024;
+
+/// Which resident an outcome is of: its node, its source, and how many
+/// stretches its node had begun when it was forked. One forked before the
+/// stretch now under way says nothing of how the node fares since (a
+/// sweep's calls in flight, a spare idle through a stretch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tag {
+    pub(super) key: NodeKey,
+    pub(super) digest: String,
+    pub(super) stretches: u32,
+}
 
 /// Each node's run of residents that could not be put back.
 #[derive(Default)]
@@ -30,23 +41,31 @@ pub(super) struct Fallbacks {
 
 #[derive(Default)]
 struct Streak {
+    /// The source the run is of: another starts it over.
+    digest: String,
     /// Residents retired in a row, each after one call.
     retired: u32,
     /// Calls still to get a fresh fork.
     fresh_left: u32,
     /// Calls of the next stretch of fresh forks (0: the first's).
     next_stretch: u32,
+    /// Stretches begun, ever.
+    stretches: u32,
 }
 
 impl Fallbacks {
-    /// A resident of node `key` could not be put back after its call, or
-    /// take its snapshot (`why`).
-    pub(super) fn retired(&mut self, key: &NodeKey, why: &str) {
-        let streak = self.by_node.entry(key.clone()).or_default();
-        if streak.fresh_left > 0 {
-            // One that served a call before the stretch began.
+    /// Stretches node `key` has begun: what a resident forked now is
+    /// tagged with.
+    pub(super) fn stretches(&self, key: &NodeKey) -> u32 {
+        self.by_node.get(key).map_or(0, |streak| streak.stretches)
+    }
+
+    /// Resident `tag` could not be put back after its call, or take its
+    /// snapshot (`why`).
+    pub(super) fn retired(&mut self, tag: &Tag, why: &str) {
+        let Some(streak) = self.current(tag) else {
             return;
-        }
+        };
         streak.retired += 1;
         if streak.retired < RETIRED_IN_A_ROW {
             return;
@@ -54,32 +73,51 @@ impl Fallbacks {
         let stretch = streak.next_stretch.max(FIRST_STRETCH);
         streak.fresh_left = stretch;
         streak.next_stretch = (stretch * 2).min(LONGEST_STRETCH);
+        streak.stretches += 1;
         // One more retired after the stretch starts the next.
         streak.retired = RETIRED_IN_A_ROW - 1;
         tracing::info!(
-            node = %key,
+            node = %tag.key,
             "its residents could not be put back after {RETIRED_IN_A_ROW} calls in a row \
              (the last: {why}); its next {stretch} calls get a fresh fork each, as under \
              --isolation call, then a resident is tried again"
         );
     }
 
-    /// A resident of node `key` was put back: its calls go on being served
-    /// by residents.
-    pub(super) fn put_back(&mut self, key: &NodeKey) {
-        self.by_node.remove(key);
+    /// Resident `tag` was put back: its node's calls go on being served by
+    /// residents, and a later run of failures starts from the first
+    /// stretch.
+    pub(super) fn put_back(&mut self, tag: &Tag) {
+        if let Some(streak) = self.current(tag) {
+            streak.retired = 0;
+            streak.next_stretch = 0;
+        }
     }
 
-    /// Whether node `key`'s next call gets a fresh fork rather than a
-    /// resident (counted as one of its stretch).
-    pub(super) fn fresh_fork_instead(&mut self, key: &NodeKey) -> bool {
+    /// Whether node `key`'s next call, of source `digest`, gets a fresh
+    /// fork rather than a resident (counted as one of its stretch).
+    pub(super) fn fresh_fork_instead(&mut self, key: &NodeKey, digest: &str) -> bool {
         match self.by_node.get_mut(key) {
-            Some(streak) if streak.fresh_left > 0 => {
+            Some(streak) if streak.digest == digest && streak.fresh_left > 0 => {
                 streak.fresh_left -= 1;
                 true
             }
             _ => false,
         }
+    }
+
+    /// The streak `tag` counts in: none if it was forked before the
+    /// stretch under way began; a new one for a source not seen before.
+    fn current(&mut self, tag: &Tag) -> Option<&mut Streak> {
+        let streak = self.by_node.entry(tag.key.clone()).or_default();
+        if streak.digest != tag.digest {
+            *streak = Streak {
+                digest: tag.digest.clone(),
+                stretches: streak.stretches,
+                ..Streak::default()
+            };
+        }
+        (tag.stretches >= streak.stretches).then_some(streak)
     }
 }
 
@@ -94,33 +132,53 @@ mod tests {
             node: "n".into(),
         };
         let mut fallbacks = Fallbacks::default();
+        let tag = |fallbacks: &Fallbacks, digest: &str| Tag {
+            key: key.clone(),
+            digest: digest.into(),
+            stretches: fallbacks.stretches(&key),
+        };
         let fresh_run = |fallbacks: &mut Fallbacks| {
-            std::iter::from_fn(|| fallbacks.fresh_fork_instead(&key).then_some(())).count() as u32
+            std::iter::from_fn(|| fallbacks.fresh_fork_instead(&key, "a").then_some(())).count()
+                as u32
         };
         // Two retired, one put back: the run starts again.
-        fallbacks.retired(&key, "a thread");
-        fallbacks.retired(&key, "a thread");
-        fallbacks.put_back(&key);
-        fallbacks.retired(&key, "a thread");
-        fallbacks.retired(&key, "a thread");
+        let a = tag(&fallbacks, "a");
+        fallbacks.retired(&a, "a thread");
+        fallbacks.retired(&a, "a thread");
+        fallbacks.put_back(&a);
+        fallbacks.retired(&a, "a thread");
+        fallbacks.retired(&a, "a thread");
         assert_eq!(fresh_run(&mut fallbacks), 0);
-        fallbacks.retired(&key, "a thread");
+        fallbacks.retired(&a, "a thread");
         assert_eq!(fresh_run(&mut fallbacks), FIRST_STRETCH);
+        // One forked before the stretch says nothing, failed or put back.
+        fallbacks.retired(&a, "a thread");
+        fallbacks.put_back(&a);
         // The resident tried after it fails too: at once a stretch twice
-        // as long. One that served before the stretch and fails within it
-        // does not count.
-        fallbacks.retired(&key, "a thread");
-        fallbacks.retired(&key, "a thread");
+        // as long.
+        let b = tag(&fallbacks, "a");
+        fallbacks.retired(&b, "a thread");
         assert_eq!(fresh_run(&mut fallbacks), 2 * FIRST_STRETCH);
         for _ in 0..10 {
-            fallbacks.retired(&key, "a thread");
+            fallbacks.retired(&tag(&fallbacks, "a"), "a thread");
             fresh_run(&mut fallbacks);
         }
-        fallbacks.retired(&key, "a thread");
+        fallbacks.retired(&tag(&fallbacks, "a"), "a thread");
         assert_eq!(fresh_run(&mut fallbacks), LONGEST_STRETCH);
         // Put back once: from the start.
-        fallbacks.put_back(&key);
-        fallbacks.retired(&key, "a thread");
+        let c = tag(&fallbacks, "a");
+        fallbacks.put_back(&c);
+        fallbacks.retired(&c, "a thread");
         assert_eq!(fresh_run(&mut fallbacks), 0);
+        // Another source starts over, and gets no stretch of the old one's.
+        fallbacks.retired(&c, "a thread");
+        fallbacks.retired(&c, "a thread");
+        assert!(!fallbacks.fresh_fork_instead(&key, "b"));
+        let d = tag(&fallbacks, "b");
+        fallbacks.retired(&d, "a thread");
+        fallbacks.retired(&d, "a thread");
+        assert!(!fallbacks.fresh_fork_instead(&key, "b"));
+        fallbacks.retired(&d, "a thread");
+        assert!(fallbacks.fresh_fork_instead(&key, "b"));
     }
 }

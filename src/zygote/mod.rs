@@ -32,7 +32,7 @@ pub mod channel;
 pub mod child;
 mod compiled;
 pub mod device;
-mod fallback;
+pub mod fallback;
 pub mod flight;
 pub mod heavy;
 pub mod learn;
@@ -275,7 +275,7 @@ impl Zygote {
         };
         // Under `--isolation reset`, a node whose residents could not be
         // put back call after call gets fresh forks for a while instead.
-        let in_resident = in_resident && !self.runner.fresh_fork_instead(&key);
+        let in_resident = in_resident && !self.runner.fresh_fork_instead(&key, &digest);
         if in_resident && detach {
             let resident = assignment(Task::Resident);
             let _held = resident.held();
@@ -404,13 +404,17 @@ impl Zygote {
     /// fork ([`Zygote::start_run`]) rather than a resident, its residents
     /// having failed to be put back call after call.
     pub fn fresh_fork_instead(&mut self, key: &NodeKey) -> bool {
-        self.runner.fresh_fork_instead(key)
+        match self.nodes.digest(key) {
+            Some(digest) => self.runner.fresh_fork_instead(key, digest),
+            None => false,
+        }
     }
 
-    /// A resident of node `key` replied to its run, then exited before it
-    /// was given back: under `--isolation reset`, it could not be put back.
-    pub fn resident_ended_after_its_call(&mut self, key: &NodeKey) {
-        self.runner.resident_ended_after_its_call(key);
+    /// A resident (`tag`: [`resident::Resident::tag`]) exited on its own
+    /// once its run was over, before it was given back: under `--isolation
+    /// reset`, it could not be put back.
+    pub fn resident_ended_after_its_call(&mut self, tag: &fallback::Tag) {
+        self.runner.resident_ended_after_its_call(tag);
     }
 
     /// `--isolation reset`: whether starting a resident for node `key`

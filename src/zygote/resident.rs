@@ -25,6 +25,7 @@ use pyo3::prelude::*;
 
 use super::assignment::{self, Assignment, Function};
 use super::child;
+use super::fallback::Tag;
 use super::flight::Flight;
 use super::node::NodeKey;
 use crate::fds::Claimed;
@@ -62,6 +63,9 @@ pub struct Resident {
     /// `None` where it has none (its snapshot failed): it is retired at
     /// its next call.
     wait_point: Option<String>,
+    /// Stretches of fresh forks its node had begun when it was forked
+    /// (`fallback`).
+    stretches: u32,
     /// Its `/proc/PID/stat`, `syscall` and `wchan`, open: read each time
     /// it is put back (opening them costs more than reading).
     watched: Option<Watched>,
@@ -98,13 +102,14 @@ impl CallPipe {
 impl Resident {
     /// A resident just forked, at the zygote's `generation`, for a call of
     /// node `key`'s source `digest`, which it was handed with its control
-    /// pipe.
+    /// pipe; `stretches`, its node's fallback's so far.
     pub(super) fn new(
         flight: Flight,
         control: Claimed,
         key: &NodeKey,
         digest: &str,
         generation: u64,
+        stretches: u32,
     ) -> Resident {
         Resident {
             flight,
@@ -114,6 +119,7 @@ impl Resident {
             generation,
             calls: 0,
             wait_point: None,
+            stretches,
             watched: None,
             put_back: PutBack::Serving,
             ran_threads: false,
@@ -389,6 +395,15 @@ impl Resident {
         }
     }
 
+    /// Which resident it is, as its node's fallback counts it.
+    pub fn tag(&self) -> Tag {
+        Tag {
+            key: self.key.clone(),
+            digest: self.digest.clone(),
+            stretches: self.stretches,
+        }
+    }
+
     /// Retires it, put back after its call it could not be: the next call
     /// gets a fresh fork, and `fallbacks` counts it against its node.
     fn not_put_back(
@@ -403,7 +418,7 @@ impl Resident {
              the next call gets a fresh fork"
         );
         crate::metrics::reset_retired();
-        fallbacks.retired(&self.key, why);
+        fallbacks.retired(&self.tag(), why);
         self.retire(land);
     }
 
@@ -549,8 +564,11 @@ impl Residents {
                                 "no resident was put back within {PUT_BACK_WITHIN:?}; \
                                  they are retired, and the next call gets a fresh fork"
                             );
+                            let tag = idle.first().map(Resident::tag);
                             self.retire(key, &mut land);
-                            self.fallbacks.retired(key, "none was put back in time");
+                            if let Some(tag) = tag {
+                                self.fallbacks.retired(&tag, "none was put back in time");
+                            }
                             return None;
                         }
                     },
@@ -577,7 +595,7 @@ impl Residents {
                     if resident.ran_threads {
                         self.threaded.insert(key.clone());
                     }
-                    self.fallbacks.put_back(key);
+                    self.fallbacks.put_back(&resident.tag());
                     return Some(resident);
                 }
                 Err(why) => resident.not_put_back(&why, &mut land, &mut self.fallbacks),
@@ -588,29 +606,30 @@ impl Residents {
     /// `--isolation reset`: whether node `key`'s next call gets a fresh
     /// fork rather than a resident, its residents having failed to be put
     /// back call after call (`fallback`).
-    pub(super) fn fresh_fork_instead(&mut self, key: &NodeKey) -> bool {
-        self.reset && self.fallbacks.fresh_fork_instead(key)
+    pub(super) fn fresh_fork_instead(&mut self, key: &NodeKey, digest: &str) -> bool {
+        self.reset && self.fallbacks.fresh_fork_instead(key, digest)
     }
 
-    /// A resident of node `key` replied, then exited before it was given
-    /// back (a sweep sees both at once): under `--isolation reset` it
-    /// retired itself, not put back.
-    pub(super) fn ended_after_its_call(&mut self, key: &NodeKey) {
+    /// Stretches of fresh forks node `key` has begun: what a resident
+    /// forked now is tagged with.
+    pub(super) fn stretches(&self, key: &NodeKey) -> u32 {
+        self.fallbacks.stretches(key)
+    }
+
+    /// Resident `tag` exited on its own once its call was over, before it
+    /// was given back (a sweep or a link sees the exit before the word):
+    /// under `--isolation reset` it retired itself, not put back.
+    pub(super) fn ended_after_its_call(&mut self, tag: &Tag) {
         if !self.reset {
             return;
         }
         tracing::info!(
-            "a resident could not be put back after its call (it ended once it replied); \
-             the next call gets a fresh fork"
+            "a resident could not be put back after its call (it ended once the call \
+             was over); the next call gets a fresh fork"
         );
         crate::metrics::reset_retired();
-        self.fallbacks.retired(key, "it ended once it replied");
-    }
-
-    /// `--isolation reset`: a resident of node `key` could not take its
-    /// snapshot (`why`), and serves one call.
-    pub(super) fn no_snapshot(&mut self, key: &NodeKey, why: &str) {
-        self.fallbacks.retired(key, why);
+        self.fallbacks
+            .retired(tag, "it ended once the call was over");
     }
 
     /// `--isolation reset`: whether [`Residents::take`] would wait for one

@@ -262,6 +262,7 @@ impl Runner {
                 &assignment.key,
                 &assignment.digest,
                 nodes.generation(),
+                self.residents.stretches(&assignment.key),
             );
             return Ok((resident, true));
         }
@@ -276,13 +277,13 @@ impl Runner {
             &assignment.key,
             &assignment.digest,
             nodes.generation(),
+            self.residents.stretches(&assignment.key),
         );
         if let Err(why) = resident.learn_wait_point() {
             // It serves this call as a fresh child would, and is retired
             // before the next.
+            // (Counted as retired once it is: looked at, or seen to exit.)
             tracing::info!("a resident could not take its snapshot ({why}); it serves one call");
-            crate::metrics::reset_retired();
-            self.residents.no_snapshot(&assignment.key, &why);
         }
         resident.hand(assignment, call_pipe());
         Ok((resident, true))
@@ -290,13 +291,13 @@ impl Runner {
 
     /// Whether node `key`'s next call gets a fresh fork rather than a
     /// resident: see [`Residents::fresh_fork_instead`].
-    pub(super) fn fresh_fork_instead(&mut self, key: &super::node::NodeKey) -> bool {
-        self.residents.fresh_fork_instead(key)
+    pub(super) fn fresh_fork_instead(&mut self, key: &super::node::NodeKey, digest: &str) -> bool {
+        self.residents.fresh_fork_instead(key, digest)
     }
 
     /// See [`Residents::ended_after_its_call`].
-    pub(super) fn resident_ended_after_its_call(&mut self, key: &super::node::NodeKey) {
-        self.residents.ended_after_its_call(key);
+    pub(super) fn resident_ended_after_its_call(&mut self, tag: &super::fallback::Tag) {
+        self.residents.ended_after_its_call(tag);
     }
 
     /// Where taking node `key`'s resident would wait for a put-back: see

@@ -19,6 +19,7 @@ use crate::end::End;
 use crate::fds::Claimed;
 use crate::link::{self, Frame, Received, Receiver};
 use crate::output::CallOutput;
+use crate::process::ChildEnd;
 use crate::protocol;
 use crate::zygote::{Detached, Zygote};
 
@@ -225,8 +226,18 @@ impl Server {
     pub(super) fn land(&mut self, zygote: &mut Zygote, run: Run) {
         let socket = self.socket_of(run.link);
         let ticket = run.ticket;
+        let resident = match &run.child {
+            RunChild::Resident { resident, .. } => Some(resident.tag()),
+            RunChild::Fresh(_) => None,
+        };
         match run.into_flight().land(&mut Discard) {
             Ok(landed) => {
+                // Its call's lines went to the link's owner: a resident that
+                // exits 0 retired itself once its call was over (a crash or
+                // a kill is no put-back that failed).
+                if let (Some(tag), ChildEnd::Exited(0)) = (resident, landed.reaped.end) {
+                    zygote.resident_ended_after_its_call(&tag);
+                }
                 if let Some(socket) = socket {
                     send(
                         socket,
