@@ -12,8 +12,18 @@ mod common;
 use common::{MEMORY_SCAN, Worker, masked, run};
 use serde_json::{Value, json};
 
+/// A worker whose calls are all served by residents: these tests are of
+/// what happens to one that cannot be put back, many in a row, where a
+/// node would otherwise fall back to fresh forks (tested by itself in
+/// `a_node_whose_residents_cannot_be_put_back_gets_fresh_forks_instead`).
 fn reset_worker() -> Worker {
-    Worker::zygote(&["--isolation", "reset"])
+    reset_worker_with(&[])
+}
+
+fn reset_worker_with(env: &[(&str, &str)]) -> Worker {
+    let mut env = env.to_vec();
+    env.push(("FLUKSIO_RESET_FALLBACK_AFTER", "0"));
+    Worker::zygote_with(&["--isolation", "reset"], &env)
 }
 
 /// The pid that served a call, and what it returned, from a node that
@@ -255,7 +265,7 @@ def process(change=None):
         fcntl.lockf(2, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return [os.getpid(), change]
 "#;
-    let mut worker = Worker::zygote_with(&["--isolation", "reset"], &[("RUST_LOG", "info")]);
+    let mut worker = reset_worker_with(&[("RUST_LOG", "info")]);
     let mut id = 0;
     let mut call = |worker: &mut Worker, change: Value| {
         id += 1;
@@ -286,7 +296,13 @@ def process(change=None):
             "{change}: the child that ran it ({pid}) was retired: {after:?}"
         );
         served_by_residents(&after);
-        let log = worker.stderr_so_far();
+        // Its log comes through a reader thread: waited for.
+        let mut log = String::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !log.contains("could not be put back") && std::time::Instant::now() < deadline {
+            log.push_str(&worker.stderr_so_far());
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let retired = log
             .lines()
             .find(|line| line.contains("could not be put back"))

@@ -91,7 +91,7 @@ impl Settings {
                 umask,
                 limits,
                 timers,
-                timer_slack: timer_slack(),
+                timer_slack: super::state::timer_slack(),
                 name,
                 nice,
             })
@@ -148,30 +148,25 @@ impl Settings {
     }
 }
 
-/// Holds every signal (SIGKILL and SIGSTOP aside), and disarms the
-/// interval timers, which needs nothing read before: from the moment a
+/// Disarms the interval timers, then holds every signal (SIGKILL and
+/// SIGSTOP aside), which needs nothing read before: from the moment a
 /// call is over no handler it installed runs, and nothing it armed fires,
-/// until [`Settings::put_back_signals`]. A timer the snapshot had armed
-/// is armed again by [`Settings::put_back`].
+/// until [`Settings::put_back_signals`]. (Disarmed first: a tick between
+/// the two is the call's handler's, run before memory is put back, not a
+/// signal left pending.) A timer the snapshot had armed is armed again by
+/// [`Settings::put_back`].
 pub fn hold_signals() {
-    // SAFETY: blocks signals for this, the only thread, and disarms its
-    // timers: a full set and a zeroed timer, both locals.
+    // SAFETY: disarms this process's timers and blocks signals for this,
+    // the only thread: a zeroed timer and a full set, both locals.
     unsafe {
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut all);
-        libc::sigprocmask(libc::SIG_BLOCK, &all, std::ptr::null_mut());
         let disarmed: libc::itimerval = std::mem::zeroed();
         for which in [libc::ITIMER_REAL, libc::ITIMER_VIRTUAL, libc::ITIMER_PROF] {
             libc::setitimer(which, &disarmed, std::ptr::null_mut());
         }
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::sigprocmask(libc::SIG_BLOCK, &all, std::ptr::null_mut());
     }
-}
-
-/// The timer slack, in nanoseconds, whole: glibc's `prctl` returns an
-/// `int`, which a slack of 2^32 ns or more would not fit.
-pub(super) fn timer_slack() -> libc::c_ulong {
-    // SAFETY: a read, by the system call itself, whose result is a long.
-    unsafe { libc::syscall(libc::SYS_prctl, libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) as libc::c_ulong }
 }
 
 /// The working directory, open for `fchdir` (`O_PATH`: it reads nothing,

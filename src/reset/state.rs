@@ -566,7 +566,7 @@ fn timers(state: &mut State, at: &Source<'_>) {
     state
         .name(format_args!("posix timers"))
         .file(at, &at.proc.timers);
-    let slack = super::settings::timer_slack();
+    let slack = timer_slack();
     state.add("timer slack", format_args!("{slack}"));
 }
 
@@ -610,6 +610,13 @@ fn identity(state: &mut State, at: &Source<'_>) {
     let mut item = state.name(format_args!("oom_score_adj"));
     read_into(at, &proc.oom_score_adj, item.text());
     trim_end(item.text());
+}
+
+/// The timer slack, in nanoseconds, whole: glibc's `prctl` returns an
+/// `int`, which a slack of 2^32 ns or more would not fit.
+pub(super) fn timer_slack() -> libc::c_ulong {
+    // SAFETY: a read, by the system call itself, whose result is a long.
+    unsafe { libc::syscall(libc::SYS_prctl, libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) as libc::c_ulong }
 }
 
 /// Its priority, scheduler and CPUs.

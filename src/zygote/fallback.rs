@@ -9,15 +9,18 @@
 //! preloaded). After [`RETIRED_IN_A_ROW`] such calls its calls get a fresh
 //! fork each, as under `--isolation call`, for a stretch of calls that
 //! doubles each time its residents fail again; then a resident is tried
-//! once more.
+//! once more. `FLUKSIO_RESET_FALLBACK_AFTER` sets how many in a row (`0`:
+//! never fall back, every call a resident).
 
 use std::collections::HashMap;
 
 use super::node::NodeKey;
 
 /// Residents retired in a row, each after one call, before a node's calls
-/// fall back to fresh forks.
+/// fall back to fresh forks, unless [`FALLBACK_AFTER_ENV`] says.
 const RETIRED_IN_A_ROW: u32 = 3;
+/// Sets [`RETIRED_IN_A_ROW`]; `0`: never.
+pub const FALLBACK_AFTER_ENV: &str = "FLUKSIO_RESET_FALLBACK_AFTER";
 /// The first stretch of fresh forks; each next one is twice as long.
 const FIRST_STRETCH: u32 = 16;
 const LONGEST_STRETCH: u32 = 1024;
@@ -34,9 +37,33 @@ pub struct Tag {
 }
 
 /// Each node's run of residents that could not be put back.
-#[derive(Default)]
 pub(super) struct Fallbacks {
     by_node: HashMap<NodeKey, Streak>,
+    /// Residents retired in a row that start a stretch (`None`: never).
+    after: Option<u32>,
+}
+
+impl Default for Fallbacks {
+    fn default() -> Fallbacks {
+        let after = match std::env::var(FALLBACK_AFTER_ENV) {
+            Err(_) => Some(RETIRED_IN_A_ROW),
+            Ok(text) => match text.trim().parse::<u32>() {
+                Ok(0) => None,
+                Ok(n) => Some(n),
+                Err(_) => {
+                    tracing::warn!(
+                        "{FALLBACK_AFTER_ENV}={text:?} is not a count of residents; \
+                         falling back after {RETIRED_IN_A_ROW}"
+                    );
+                    Some(RETIRED_IN_A_ROW)
+                }
+            },
+        };
+        Fallbacks {
+            by_node: HashMap::new(),
+            after,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -63,11 +90,14 @@ impl Fallbacks {
     /// Resident `tag` could not be put back after its call, or take its
     /// snapshot (`why`).
     pub(super) fn retired(&mut self, tag: &Tag, why: &str) {
+        let Some(after) = self.after else {
+            return;
+        };
         let Some(streak) = self.current(tag) else {
             return;
         };
         streak.retired += 1;
-        if streak.retired < RETIRED_IN_A_ROW {
+        if streak.retired < after {
             return;
         }
         let stretch = streak.next_stretch.max(FIRST_STRETCH);
@@ -75,10 +105,10 @@ impl Fallbacks {
         streak.next_stretch = (stretch * 2).min(LONGEST_STRETCH);
         streak.stretches += 1;
         // One more retired after the stretch starts the next.
-        streak.retired = RETIRED_IN_A_ROW - 1;
+        streak.retired = after - 1;
         tracing::info!(
             node = %tag.key,
-            "its residents could not be put back after {RETIRED_IN_A_ROW} calls in a row \
+            "its residents could not be put back after {after} calls in a row \
              (the last: {why}); its next {stretch} calls get a fresh fork each, as under \
              --isolation call, then a resident is tried again"
         );
