@@ -238,8 +238,9 @@ pub(super) struct ZygoteArgs {
     /// `node`: one child per node serving its calls in turn, module state kept as in a
     /// reused worker_main.py (replaced by a fresh fork after a crash or a source change).
     /// `reset` (opt-in, new): one child per node whose memory is put back after each call
-    /// to what it was before the first; anything else a call changed retires it for a
-    /// fresh fork
+    /// to what it was before the first, and the signal handlers, cwd, umask and limits a
+    /// call set; anything else a call changed retires it for a fresh fork (a node that
+    /// does so call after call gets a fresh fork per call for a while)
     #[arg(long, env = "FLUKSIO_ISOLATION", value_enum, default_value_t = IsolationArg::Call)]
     pub(super) isolation: IsolationArg,
 
