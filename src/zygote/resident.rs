@@ -412,13 +412,7 @@ impl Resident {
         land: &mut impl FnMut(Flight),
         fallbacks: &mut super::fallback::Fallbacks,
     ) {
-        tracing::info!(
-            pid = self.flight.pid.as_raw(),
-            "a resident could not be put back after its call ({why}); \
-             the next call gets a fresh fork"
-        );
-        crate::metrics::reset_retired();
-        fallbacks.retired(&self.tag(), why);
+        said_not_put_back(&self.tag(), why, fallbacks);
         self.retire(land);
     }
 
@@ -620,16 +614,9 @@ impl Residents {
     /// was given back (a sweep or a link sees the exit before the word):
     /// under `--isolation reset` it retired itself, not put back.
     pub(super) fn ended_after_its_call(&mut self, tag: &Tag) {
-        if !self.reset {
-            return;
+        if self.reset {
+            said_not_put_back(tag, "it ended once the call was over", &mut self.fallbacks);
         }
-        tracing::info!(
-            "a resident could not be put back after its call (it ended once the call \
-             was over); the next call gets a fresh fork"
-        );
-        crate::metrics::reset_retired();
-        self.fallbacks
-            .retired(tag, "it ended once the call was over");
     }
 
     /// `--isolation reset`: whether [`Residents::take`] would wait for one
@@ -760,6 +747,18 @@ impl Residents {
     pub(super) fn forget_inherited(&mut self) {
         std::mem::forget(std::mem::take(&mut self.idle));
     }
+}
+
+/// Says at `info` that resident `tag` could not be put back after its call
+/// (`why`), and counts it: in the metrics, and against its node.
+fn said_not_put_back(tag: &Tag, why: &str, fallbacks: &mut super::fallback::Fallbacks) {
+    tracing::info!(
+        node = %tag.key,
+        "a resident could not be put back after its call ({why}); \
+         the next call gets a fresh fork"
+    );
+    crate::metrics::reset_retired();
+    fallbacks.retired(tag, why);
 }
 
 /// The first of `idle` seen at its wait, each looked at once (those that
