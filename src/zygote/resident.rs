@@ -1043,6 +1043,12 @@ fn serve_resetting(
         };
         serve_one(py, call, pipe, &function, &reply, logs, first_call);
         first_call = false;
+        // The reply woke its reader on this CPU, or found it queued here
+        // (the call's hand-off, a sync wake-up, put this child on the
+        // zygote's CPU): the put-back would keep it off the CPU for as long
+        // as it takes. Let it run first.
+        // SAFETY: sched_yield has no preconditions.
+        unsafe { libc::sched_yield() };
         let Ok(reset) = &reset else {
             crate::process::exit_now(0)
         };
