@@ -358,6 +358,18 @@ def process(change=None):
         os.nice(1)
     elif change == "faulthandler":
         faulthandler.enable(file=2)
+    elif change == "libc signals":
+        # The C library's own two, which its sigaction refuses, set by the
+        # system calls themselves (x86-64: rt_sigaction, rt_sigprocmask):
+        # ignored where they were not, and not where they were (as a
+        # process that started this one may have left them).
+        libc = ctypes.CDLL(None)
+        for number in (32, 33):
+            was = (ctypes.c_ulong * 4)()
+            libc.syscall(13, number, None, was, 8)
+            flipped = (ctypes.c_ulong * 4)(0 if was[0] == 1 else 1, 0, 0, 0)
+            libc.syscall(13, number, flipped, None, 8)
+        libc.syscall(14, 0, ctypes.byref(ctypes.c_ulong(3 << 31)), None, 8)
     elif change == "alarms":
         # Still firing once the call is over, into a handler of the call's
         # run on its alternate stack.
@@ -397,6 +409,7 @@ def process(change=None):
         "mask",
         "nice",
         "faulthandler",
+        "libc signals",
         "alarms",
     ] {
         if change == "nice" && !root {

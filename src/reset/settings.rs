@@ -29,7 +29,7 @@ use super::pinned::Pinned;
 
 /// The settings as they were when the snapshot was taken.
 pub struct Settings {
-    actions: Vec<(libc::c_int, libc::sigaction)>,
+    actions: Vec<(libc::c_int, KernelAction)>,
     mask: libc::sigset_t,
     alternate_stack: libc::stack_t,
     /// The working directory (`O_PATH`); `None` if it could not be opened.
@@ -50,10 +50,8 @@ impl Settings {
         // back, with one thread running.
         unsafe {
             let mut actions = Vec::with_capacity(64);
-            for signal in 1..=libc::SIGRTMAX() {
-                let mut action: libc::sigaction = std::mem::zeroed();
-                // SIGKILL, SIGSTOP and the C library's own fail.
-                if libc::sigaction(signal, std::ptr::null(), &mut action) == 0 {
+            for signal in settable_signals() {
+                if let Some(action) = KernelAction::of(signal) {
                     actions.push((signal, action));
                 }
             }
@@ -109,17 +107,17 @@ impl Settings {
     /// of the call's children, ended). One pending is left held, for the
     /// comparison to find.
     pub fn put_back_signals(&self) {
+        for (signal, action) in &self.actions {
+            action.set(*signal);
+        }
         // SAFETY: each sets this process's signal settings to values they
         // had, read by the calls `read` pairs with them.
         unsafe {
-            for (signal, action) in &self.actions {
-                libc::sigaction(*signal, action, std::ptr::null_mut());
-            }
             libc::sigaltstack(&self.alternate_stack, std::ptr::null_mut());
             let mut pending: libc::sigset_t = std::mem::zeroed();
             libc::sigpending(&mut pending);
             if super::state::word(&pending) == 0 {
-                libc::sigprocmask(libc::SIG_SETMASK, &self.mask, std::ptr::null_mut());
+                set_mask(libc::SIG_SETMASK, super::state::word(&self.mask));
             }
         }
     }
@@ -163,10 +161,75 @@ pub fn hold_signals() {
         for which in [libc::ITIMER_REAL, libc::ITIMER_VIRTUAL, libc::ITIMER_PROF] {
             libc::setitimer(which, &disarmed, std::ptr::null_mut());
         }
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut all);
-        libc::sigprocmask(libc::SIG_BLOCK, &all, std::ptr::null_mut());
     }
+    set_mask(libc::SIG_BLOCK, !0);
+}
+
+/// Every signal a disposition can be set for: all 64 the kernel has but
+/// SIGKILL and SIGSTOP, the C library's own two (32 and 33, which its
+/// `sigaction` refuses, and a call can still set by the system call)
+/// among them.
+pub(super) fn settable_signals() -> impl Iterator<Item = libc::c_int> {
+    (1..=64).filter(|&signal| signal != libc::SIGKILL && signal != libc::SIGSTOP)
+}
+
+/// A disposition as the kernel holds it (`struct sigaction` of the
+/// `rt_sigaction` system call), read and set by the system call itself:
+/// the C library's wrapper hides its own signals.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+#[repr(C)]
+pub(super) struct KernelAction {
+    handler: usize,
+    flags: libc::c_ulong,
+    restorer: usize,
+    mask: u64,
+}
+
+impl KernelAction {
+    /// `signal`'s disposition now.
+    pub(super) fn of(signal: libc::c_int) -> Option<KernelAction> {
+        let mut action = KernelAction::default();
+        // SAFETY: rt_sigaction reads the disposition into a local of the
+        // kernel's layout, with the kernel's set size.
+        let read = unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                signal,
+                std::ptr::null::<KernelAction>(),
+                &mut action,
+                8usize,
+            )
+        };
+        (read == 0).then_some(action)
+    }
+
+    fn set(&self, signal: libc::c_int) {
+        // SAFETY: rt_sigaction sets a disposition this process had.
+        unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                signal,
+                self,
+                std::ptr::null_mut::<KernelAction>(),
+                8usize,
+            )
+        };
+    }
+}
+
+/// Changes the signal mask by the system call: the C library's wrapper
+/// leaves its own two signals out of any set it is given.
+fn set_mask(how: libc::c_int, set: u64) {
+    // SAFETY: rt_sigprocmask with a local set of the kernel's size.
+    unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            how,
+            &set,
+            std::ptr::null_mut::<u64>(),
+            8usize,
+        )
+    };
 }
 
 /// The working directory, open for `fchdir` (`O_PATH`: it reads nothing,

@@ -411,30 +411,11 @@ fn trim_end(text: &mut String) {
     text.truncate(text.trim_end().len());
 }
 
-/// Every signal's disposition, the mask, what is pending, the alternate
-/// stack. Sets are shown as the kernel's 64-bit words.
+/// The mask, what is pending, the alternate stack. Sets are shown as the
+/// kernel's 64-bit words. Every disposition is set back before this is
+/// read ([`super::settings::Settings::put_back_signals`]), so which are
+/// caught and which ignored are compared (`status`), not read one by one.
 fn signals(state: &mut State) {
-    for signal in 1..=libc::SIGRTMAX() {
-        if signal == libc::SIGKILL || signal == libc::SIGSTOP {
-            continue;
-        }
-        // SAFETY: reads a disposition into a zeroed sigaction.
-        let action = unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(signal, std::ptr::null(), &mut action) != 0 {
-                continue;
-            }
-            action
-        };
-        state
-            .name(format_args!("signal {signal:>2}"))
-            .write(format_args!(
-                "handler {:#x} flags {:#x} mask {:#x}",
-                action.sa_sigaction,
-                action.sa_flags,
-                word(&action.sa_mask)
-            ));
-    }
     // SAFETY: reads of the mask and the pending set into local sets.
     let (mask, pending) = unsafe {
         let mut mask: libc::sigset_t = std::mem::zeroed();
@@ -511,7 +492,8 @@ fn limits(state: &mut State) {
 }
 
 /// From `/proc/self/status`: credentials and capabilities, the umask,
-/// seccomp, no_new_privs, speculation controls.
+/// seccomp, no_new_privs, speculation controls, the signals ignored and
+/// caught.
 fn status(state: &mut State, at: &Source<'_>) {
     const KEPT: &[&str] = &[
         "Umask",
@@ -529,6 +511,8 @@ fn status(state: &mut State, at: &Source<'_>) {
         "Speculation_Store_Bypass",
         "SpeculationIndirectBranch",
         "THP_enabled",
+        "SigIgn",
+        "SigCgt",
     ];
     let mut text = String::new();
     read_into(at, &at.proc.status, &mut text);
