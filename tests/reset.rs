@@ -263,6 +263,10 @@ def process(change=None):
         # A POSIX lock of this process's, on its stderr: held until it exits.
         import fcntl
         fcntl.lockf(2, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    elif change == "no write-execute":
+        # PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN: for good, by design.
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.prctl(65, 1, 0, 0, 0) == 0, ctypes.get_errno()
     return [os.getpid(), change]
 "#;
     let mut worker = reset_worker_with(&[("RUST_LOG", "info")]);
@@ -287,6 +291,7 @@ def process(change=None):
         ("pending", "signal"),
         ("posix timer", "posix timers"),
         ("lock", "file locks"),
+        ("no write-execute", "prctl, more"),
     ] {
         let (pid, echoed) = call(&mut worker, json!(change));
         assert_eq!(echoed, change);

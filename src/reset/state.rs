@@ -591,9 +591,67 @@ fn identity(state: &mut State, at: &Source<'_>) {
         libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut subreaper);
     }
     item.write(format_args!("pdeathsig={signal} subreaper={subreaper}"));
+    let mut item = state.name(format_args!("prctl, more"));
+    for (name, option) in MORE_PRCTL {
+        // SAFETY: prctl reads a setting, returned (or an error).
+        let value = unsafe { libc::syscall(libc::SYS_prctl, *option, 0, 0, 0, 0) };
+        let _ = write!(item.text(), "{name}=");
+        write_returned(item.text(), value);
+        item.text().push(' ');
+    }
+    let mut tsc: libc::c_int = 0;
+    // SAFETY: prctl writes an int at the pointer given.
+    let read = unsafe { libc::syscall(libc::SYS_prctl, PR_GET_TSC, &mut tsc, 0, 0, 0) };
+    item.text().push_str("tsc=");
+    write_returned(item.text(), read);
+    let _ = write!(item.text(), " {tsc}");
+    #[cfg(target_arch = "x86_64")]
+    for (name, code) in ARCH_PRCTL {
+        let mut value: u64 = 0;
+        // SAFETY: arch_prctl reads a setting into a u64 at the pointer
+        // given (or fails).
+        let read = unsafe { libc::syscall(libc::SYS_arch_prctl, *code, &mut value) };
+        let _ = write!(item.text(), " {name}=");
+        write_returned(item.text(), read);
+        let _ = write!(item.text(), " {value:#x}");
+    }
+    drop(item);
     let mut item = state.name(format_args!("oom_score_adj"));
     read_into(at, &proc.oom_score_adj, item.text());
     trim_end(item.text());
+}
+
+/// prctl's settings a call can change and none of the above shows, read by
+/// returning them: memory-deny-write-execute (which cannot be undone),
+/// machine-check kill policy, KSM merging, the I/O flusher flag.
+const MORE_PRCTL: &[(&str, libc::c_long)] = &[
+    ("mdwe", 66),         // PR_GET_MDWE
+    ("mce_kill", 34),     // PR_MCE_KILL_GET
+    ("memory_merge", 68), // PR_GET_MEMORY_MERGE
+    ("io_flusher", 58),   // PR_GET_IO_FLUSHER
+];
+
+/// Whether a time-stamp counter read faults (`PR_SET_TSC`).
+const PR_GET_TSC: libc::c_long = 25;
+
+/// x86's per-process settings (`arch_prctl`): CPUID faulting, the AMX
+/// state permitted, linear address masking, shadow stacks.
+#[cfg(target_arch = "x86_64")]
+const ARCH_PRCTL: &[(&str, libc::c_long)] = &[
+    ("cpuid", 0x1011),      // ARCH_GET_CPUID
+    ("xcomp_perm", 0x1022), // ARCH_GET_XCOMP_PERM
+    ("untag_mask", 0x4001), // ARCH_GET_UNTAG_MASK
+    ("shstk", 0x5005),      // ARCH_SHSTK_STATUS
+];
+
+/// Writes a system call's return: its value, or its error.
+fn write_returned(into: &mut String, value: libc::c_long) {
+    if value < 0 {
+        let error = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        let _ = write!(into, "error {error}");
+    } else {
+        let _ = write!(into, "{value}");
+    }
 }
 
 /// The timer slack, in nanoseconds, whole: glibc's `prctl` returns an
