@@ -287,6 +287,15 @@ impl Resident {
         Ok(false)
     }
 
+    /// Reads its word after its last call if it has come (`Err`: it
+    /// retired itself, or exited), without looking further.
+    fn read_word_if_come(&mut self) -> Result<(), String> {
+        if self.put_back == PutBack::Serving && self.has_word() {
+            self.take_word()?;
+        }
+        Ok(())
+    }
+
     /// Reads its word after its last call (waiting for it): on its way to
     /// its wait from now, if the word is "ready".
     fn take_word(&mut self) -> Result<(), String> {
@@ -733,6 +742,34 @@ impl Residents {
         }
     }
 
+    /// The control sockets of the idle residents whose word after their
+    /// last call has not been read (under `--isolation reset`).
+    pub(super) fn words_awaited(&self) -> Vec<BorrowedFd<'_>> {
+        self.idle
+            .values()
+            .flatten()
+            .filter(|resident| resident.put_back == PutBack::Serving)
+            .map(|resident| resident.control.as_fd())
+            .collect()
+    }
+
+    /// Reads every idle resident's word that has come: one that retired
+    /// itself, or exited, is said and ended (its flight to `land`).
+    pub(super) fn read_words_come(&mut self, mut land: impl FnMut(Flight)) {
+        for idle in self.idle.values_mut() {
+            let mut at = 0;
+            while at < idle.len() {
+                match idle[at].read_word_if_come() {
+                    Ok(()) => at += 1,
+                    Err(why) => {
+                        idle.swap_remove(at)
+                            .not_put_back(&why, &mut land, &mut self.fallbacks)
+                    }
+                }
+            }
+        }
+    }
+
     /// Ends every idle resident.
     pub(super) fn retire_all(&mut self, mut land: impl FnMut(Flight)) {
         let keys: Vec<NodeKey> = self.idle.keys().cloned().collect();
@@ -761,22 +798,35 @@ fn said_not_put_back(tag: &Tag, why: &str, fallbacks: &mut super::fallback::Fall
     fallbacks.retired(tag, why);
 }
 
-/// The first of `idle` seen at its wait, each looked at once (those that
-/// cannot be put back retired, their flights to `land`).
+/// The first of `idle` seen at its wait: each before it looked at once,
+/// each after it only its word read where it has come (those that cannot
+/// be put back retired, their flights to `land`).
 fn first_at_its_wait(
     idle: &mut Vec<Resident>,
     land: &mut impl FnMut(Flight),
     fallbacks: &mut super::fallback::Fallbacks,
 ) -> Option<usize> {
+    let mut found = None;
     let mut at = 0;
     while at < idle.len() {
-        match idle[at].look() {
-            Ok(true) => return Some(at),
+        // Past the one found, only a word that has come is read: one that
+        // retired itself is said and ended now, not whenever a call next
+        // needs it (it would idle meanwhile, in a spare's place).
+        let looked = match found {
+            None => idle[at].look(),
+            Some(_) => idle[at].read_word_if_come().map(|()| false),
+        };
+        match looked {
+            Ok(true) => {
+                found = Some(at);
+                at += 1;
+            }
             Ok(false) => at += 1,
+            // The last one takes its place: never one before `found`.
             Err(why) => idle.swap_remove(at).not_put_back(&why, land, fallbacks),
         }
     }
-    None
+    found
 }
 
 /// The one of `idle` that says its word first, or `None` if none does

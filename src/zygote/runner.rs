@@ -428,7 +428,19 @@ impl Runner {
         &mut self,
         input: std::os::fd::BorrowedFd<'_>,
     ) -> std::io::Result<()> {
-        self.children.wait_for_input(input)
+        loop {
+            // A reset resident's word after its call, read as it comes: one
+            // that retired itself is said and ended now, not at the next
+            // call (which may be long in coming).
+            let words = self.residents.words_awaited();
+            if self.children.wait_for_input_or(input, &words)? {
+                return Ok(());
+            }
+            drop(words);
+            let children = &mut self.children;
+            self.residents
+                .read_words_come(|flight| children.land_later(flight));
+        }
     }
 
     /// In a node's own zygote, just forked: the standby, resident and

@@ -185,21 +185,25 @@ impl Children {
         }
     }
 
-    /// Waits until `input` is readable, reaping children as they exit
-    /// meanwhile: no zombie waits for the next request.
-    pub(super) fn wait_for_input(&mut self, input: BorrowedFd<'_>) -> std::io::Result<()> {
-        loop {
-            self.reap_landed();
-            let mut set = PollSet::new();
-            let input = set.fd(input, PollFlags::POLLIN);
-            for landing in &self.landing {
-                set.exit(landing.pid, &landing.exit);
-            }
-            set.wait(None)?;
-            if set.ready(input) {
-                return Ok(());
-            }
+    /// Waits once for `input`, the exit of a child landing (reaped then, so
+    /// no zombie waits for the next request) or one of `also`: whether
+    /// `input` is ready.
+    pub(super) fn wait_for_input_or(
+        &mut self,
+        input: BorrowedFd<'_>,
+        also: &[BorrowedFd<'_>],
+    ) -> std::io::Result<bool> {
+        self.reap_landed();
+        let mut set = PollSet::new();
+        let input = set.fd(input, PollFlags::POLLIN);
+        for fd in also {
+            set.fd(*fd, PollFlags::POLLIN);
         }
+        for landing in &self.landing {
+            set.exit(landing.pid, &landing.exit);
+        }
+        set.wait(None)?;
+        Ok(set.ready(input))
     }
 }
 
