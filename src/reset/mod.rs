@@ -9,12 +9,14 @@
 //!    and the threads of the numeric libraries' pools it woke;
 //! 2. puts back every page the call wrote, unmaps what it mapped, returns
 //!    the heap's break ([`memory::Snapshot::restore`]), then the signal
-//!    dispositions ([`settings::Settings::put_back_signals`]);
+//!    dispositions ([`settings::Settings::put_back_signals`]) and the
+//!    floating-point environment (rounding, exception flags);
 //! 3. compares what memory cannot hold with what it was ([`state::State`]):
 //!    fds and their offsets, threads, child processes, signals, cwd, umask,
-//!    limits, credentials, timers, the kernel's copy of the environment;
-//!    where anything changed, sets back what it can ([`settings::Settings`]:
-//!    signals, cwd, umask, limits, timers...) and compares again.
+//!    limits, credentials, keyrings, timers, prctl's settings, the
+//!    kernel's copy of the environment; where anything changed, sets back
+//!    what it can ([`settings::Settings`]: cwd, umask, limits, timers...)
+//!    and compares again.
 //!
 //! Any change it cannot put back retires the resident: the zygote forks a
 //! fresh one, as safe as `--isolation call`, and says why.
@@ -59,7 +61,7 @@ impl Reset {
         let snapshot = Snapshot::prepare().map_err(|e| e.to_string())?;
         let mut reset = Reset {
             baseline: State::default(),
-            settings: Settings::read(),
+            settings: Settings::read()?,
             snapshot,
             proc,
             cell,
@@ -92,7 +94,8 @@ impl Reset {
             return Err("a thread the call started is still running".into());
         };
         let restored = self.snapshot.restore().map_err(|e| e.to_string())?;
-        self.settings.put_back_signals();
+        self.settings.put_back_signals()?;
+        self.settings.put_back_floating_point();
         let mut state = self.state();
         if state != self.baseline {
             self.settings.put_back();

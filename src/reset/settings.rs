@@ -1,5 +1,6 @@
 //! The settings of this process the kernel holds that a call can change
-//! and the resident can set back itself: signal dispositions, the signal
+//! and the resident can set back itself (and the one the CPU holds, the
+//! floating-point environment): signal dispositions, the signal
 //! mask and the alternate stack, the working directory, the umask, the
 //! resource limits, the interval timers, the timer slack, the name and
 //! the nice value.
@@ -7,9 +8,12 @@
 //! A call that installs a signal handler (a library's import may),
 //! changes directory or lowers a limit would otherwise retire its
 //! resident. Set back, it costs nothing: the comparison that follows
-//! ([`super::state`]) still reads every item, and one that could not be
-//! set back (a hard limit raised again without the privilege, a signal
-//! pending, a directory gone) retires the resident as before.
+//! ([`super::state`]) still reads every item but the dispositions (of
+//! which it reads only which signals are caught and which ignored: every
+//! one is set back by the system call itself, and one the kernel refused
+//! would retire the resident), and one that could not be set back (a hard
+//! limit raised again without the privilege, a signal pending, a
+//! directory gone) retires the resident as before.
 //!
 //! Signals are held from the moment a call is over ([`hold_signals`]): a
 //! handler the call installed, run once memory is put back, would write
@@ -40,20 +44,35 @@ pub struct Settings {
     timer_slack: libc::c_ulong,
     name: [u8; 16],
     nice: libc::c_int,
+    /// The floating-point environment (x87 and SSE control and status:
+    /// rounding, flush-to-zero, exception flags), glibc's `fenv_t`.
+    floating_point: FloatingPoint,
+}
+
+/// Room for glibc's `fenv_t` (32 bytes on x86-64, 8 on arm64).
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(16))]
+struct FloatingPoint([u64; 8]);
+
+#[link(name = "m")]
+unsafe extern "C" {
+    fn fegetenv(env: *mut FloatingPoint) -> libc::c_int;
+    fn fesetenv(env: *const FloatingPoint) -> libc::c_int;
 }
 
 impl Settings {
-    /// Reads them now.
-    pub fn read() -> Box<Settings> {
+    /// Reads them now (`Err`: one cannot be, so it could not be set back).
+    pub fn read() -> Result<Box<Settings>, String> {
         // SAFETY: each is a read of this process's settings into a local
         // or a zeroed struct; umask is read by setting it and setting it
         // back, with one thread running.
         unsafe {
             let mut actions = Vec::with_capacity(64);
             for signal in settable_signals() {
-                if let Some(action) = KernelAction::of(signal) {
-                    actions.push((signal, action));
-                }
+                // One left out would be neither set back nor compared.
+                let action = KernelAction::of(signal)
+                    .ok_or_else(|| format!("signal {signal}'s disposition cannot be read"))?;
+                actions.push((signal, action));
             }
             let mut mask: libc::sigset_t = std::mem::zeroed();
             libc::sigprocmask(libc::SIG_BLOCK, std::ptr::null(), &mut mask);
@@ -81,7 +100,11 @@ impl Settings {
             libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr());
             *libc::__errno_location() = 0;
             let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
-            Box::new(Settings {
+            let mut floating_point = FloatingPoint::default();
+            if fegetenv(&mut floating_point) != 0 {
+                return Err("the floating-point environment cannot be read".into());
+            }
+            Ok(Box::new(Settings {
                 actions,
                 mask,
                 alternate_stack,
@@ -92,7 +115,8 @@ impl Settings {
                 timer_slack: super::state::timer_slack(),
                 name,
                 nice,
-            })
+                floating_point,
+            }))
         }
     }
 
@@ -106,9 +130,16 @@ impl Settings {
     /// pending (setting a disposition to ignore one drops it: a `SIGCHLD`
     /// of the call's children, ended). One pending is left held, for the
     /// comparison to find.
-    pub fn put_back_signals(&self) {
+    /// `Err`: a disposition could not be set back (what the comparison
+    /// reads of them, which are caught and which ignored, would not show
+    /// one handler for another).
+    pub fn put_back_signals(&self) -> Result<(), String> {
         for (signal, action) in &self.actions {
-            action.set(*signal);
+            if !action.set(*signal) {
+                return Err(format!(
+                    "signal {signal}'s disposition could not be set back"
+                ));
+            }
         }
         // SAFETY: each sets this process's signal settings to values they
         // had, read by the calls `read` pairs with them.
@@ -120,6 +151,17 @@ impl Settings {
                 set_mask(libc::SIG_SETMASK, super::state::word(&self.mask));
             }
         }
+        Ok(())
+    }
+
+    /// Sets the floating-point environment back: a call that changed the
+    /// rounding or set flush-to-zero (a library built with `-ffast-math`
+    /// does, as it loads) would change every later call's arithmetic, and
+    /// its exception flags would be theirs to test. Every call: it is one
+    /// instruction's worth, and nothing the kernel shows.
+    pub fn put_back_floating_point(&self) {
+        // SAFETY: fesetenv with an environment fegetenv filled.
+        unsafe { fesetenv(&self.floating_point) };
     }
 
     /// Sets the rest back as it was read, as far as the kernel lets this
@@ -203,9 +245,10 @@ impl KernelAction {
         (read == 0).then_some(action)
     }
 
-    fn set(&self, signal: libc::c_int) {
+    /// Sets it as `signal`'s disposition: whether the kernel took it.
+    fn set(&self, signal: libc::c_int) -> bool {
         // SAFETY: rt_sigaction sets a disposition this process had.
-        unsafe {
+        let set = unsafe {
             libc::syscall(
                 libc::SYS_rt_sigaction,
                 signal,
@@ -214,6 +257,7 @@ impl KernelAction {
                 8usize,
             )
         };
+        set == 0
     }
 }
 

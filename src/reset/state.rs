@@ -594,28 +594,41 @@ fn identity(state: &mut State, at: &Source<'_>) {
     let mut item = state.name(format_args!("prctl, more"));
     for (name, option) in MORE_PRCTL {
         // SAFETY: prctl reads a setting, returned (or an error).
-        let value = unsafe { libc::syscall(libc::SYS_prctl, *option, 0, 0, 0, 0) };
-        let _ = write!(item.text(), "{name}=");
-        write_returned(item.text(), value);
-        item.text().push(' ');
+        let value = returned(unsafe {
+            libc::syscall(
+                libc::SYS_prctl,
+                *option,
+                0 as libc::c_ulong,
+                0 as libc::c_ulong,
+                0 as libc::c_ulong,
+                0 as libc::c_ulong,
+            )
+        });
+        let _ = write!(item.text(), "{name}={value:?} ");
     }
     let mut tsc: libc::c_int = 0;
     // SAFETY: prctl writes an int at the pointer given.
-    let read = unsafe { libc::syscall(libc::SYS_prctl, PR_GET_TSC, &mut tsc, 0, 0, 0) };
-    item.text().push_str("tsc=");
-    write_returned(item.text(), read);
-    let _ = write!(item.text(), " {tsc}");
+    let read = returned(unsafe {
+        libc::syscall(
+            libc::SYS_prctl,
+            PR_GET_TSC,
+            &mut tsc,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    });
+    let _ = write!(item.text(), "tsc={read:?} {tsc}");
     #[cfg(target_arch = "x86_64")]
     for (name, code) in ARCH_PRCTL {
         let mut value: u64 = 0;
         // SAFETY: arch_prctl reads a setting into a u64 at the pointer
         // given (or fails).
-        let read = unsafe { libc::syscall(libc::SYS_arch_prctl, *code, &mut value) };
-        let _ = write!(item.text(), " {name}=");
-        write_returned(item.text(), read);
-        let _ = write!(item.text(), " {value:#x}");
+        let read = returned(unsafe { libc::syscall(libc::SYS_arch_prctl, *code, &mut value) });
+        let _ = write!(item.text(), " {name}={read:?} {value:#x}");
     }
     drop(item);
+    keyrings(state);
     let mut item = state.name(format_args!("oom_score_adj"));
     read_into(at, &proc.oom_score_adj, item.text());
     trim_end(item.text());
@@ -644,13 +657,53 @@ const ARCH_PRCTL: &[(&str, libc::c_long)] = &[
     ("shstk", 0x5005),      // ARCH_SHSTK_STATUS
 ];
 
-/// Writes a system call's return: its value, or its error.
-fn write_returned(into: &mut String, value: libc::c_long) {
+/// Its keyrings: the thread's and the process's, each with the keys it
+/// holds (a key a call added there would be the next call's to read), and
+/// which session keyring it is in (joining another is the call's). The
+/// session keyring's own keys are not compared: it is shared with other
+/// processes, as the user's keyring and the file system are.
+fn keyrings(state: &mut State) {
+    const KEYCTL_GET_KEYRING_ID: libc::c_long = 0;
+    const KEYCTL_READ: libc::c_long = 11;
+    let mut item = state.name(format_args!("keyrings"));
+    for (name, special) in [("thread", -1), ("process", -2), ("session", -3)] {
+        // SAFETY: keyctl asks which keyring a special id names, creating
+        // none.
+        let id = returned(unsafe {
+            libc::syscall(
+                libc::SYS_keyctl,
+                KEYCTL_GET_KEYRING_ID,
+                special as libc::c_long,
+                0 as libc::c_ulong,
+            )
+        });
+        let _ = write!(item.text(), "{name}={id:?}");
+        if let (Ok(id), false) = (id, name == "session") {
+            let mut keys = [0i32; 64];
+            // SAFETY: keyctl writes at most the buffer's size of key ids.
+            let size = unsafe {
+                libc::syscall(
+                    libc::SYS_keyctl,
+                    KEYCTL_READ,
+                    id,
+                    keys.as_mut_ptr(),
+                    std::mem::size_of_val(&keys),
+                )
+            };
+            let held = (size.max(0) as usize / 4).min(keys.len());
+            let _ = write!(item.text(), " holding {size} bytes: {:?}", &keys[..held]);
+        }
+        item.text().push(' ');
+    }
+}
+
+/// A system call's return: its value, or its error (`errno`, read right
+/// after it, before anything else can set it).
+fn returned(value: libc::c_long) -> Result<libc::c_long, i32> {
     if value < 0 {
-        let error = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-        let _ = write!(into, "error {error}");
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
     } else {
-        let _ = write!(into, "{value}");
+        Ok(value)
     }
 }
 
