@@ -271,6 +271,11 @@ def process(change=None):
         added = libc.syscall(248, b"user", b"kwargs", b"secret", 6, ctypes.c_long(-2))
         if added < 0:
             return [os.getpid(), f"refused: {os.strerror(ctypes.get_errno())}"]
+    elif change == "gs base":
+        # x86-64: arch_prctl(ARCH_SET_GS), 64 bits the next call could read.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(158, 0x1001, ctypes.c_ulong(0x1234000)) != 0:
+            return [os.getpid(), f"refused: {os.strerror(ctypes.get_errno())}"]
     elif change == "no write-execute":
         # PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN: for good, by design.
         libc = ctypes.CDLL(None, use_errno=True)
@@ -302,6 +307,7 @@ def process(change=None):
         ("lock", "file locks"),
         ("no write-execute", "prctl, more"),
         ("keyring", "keyrings"),
+        ("gs base", "prctl, more"),
     ] {
         let (pid, echoed) = call(&mut worker, json!(change));
         // Where the kernel refuses it (keys under a container's seccomp

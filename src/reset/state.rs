@@ -648,13 +648,15 @@ const MORE_PRCTL: &[(&str, libc::c_long)] = &[
 const PR_GET_TSC: libc::c_long = 25;
 
 /// x86's per-process settings (`arch_prctl`): CPUID faulting, the AMX
-/// state permitted, linear address masking, shadow stacks.
+/// state permitted, linear address masking, shadow stacks, and the GS
+/// base, which nothing here uses.
 #[cfg(target_arch = "x86_64")]
 const ARCH_PRCTL: &[(&str, libc::c_long)] = &[
     ("cpuid", 0x1011),      // ARCH_GET_CPUID
     ("xcomp_perm", 0x1022), // ARCH_GET_XCOMP_PERM
     ("untag_mask", 0x4001), // ARCH_GET_UNTAG_MASK
     ("shstk", 0x5005),      // ARCH_SHSTK_STATUS
+    ("gs_base", 0x1004),    // ARCH_GET_GS: 64 bits a call could leave
 ];
 
 /// Its keyrings: the thread's and the process's, each with the keys it
