@@ -276,6 +276,21 @@ def process(change=None):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.syscall(158, 0x1001, ctypes.c_ulong(0x1234000)) != 0:
             return [os.getpid(), f"refused: {os.strerror(ctypes.get_errno())}"]
+    elif change == "rseq of its own":
+        # glibc's restartable-sequences area let go and one of the call's
+        # registered (x86-64: rseq): the kernel would go on writing the CPU
+        # into memory the next call is handed.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
+            return [os.getpid(), "refused: glibc registers none"]
+        base = ctypes.c_ulong()
+        libc.syscall(158, 0x1003, ctypes.byref(base))
+        glibcs = ctypes.c_ulong(base.value + ctypes.c_long.in_dll(libc, "__rseq_offset").value)
+        assert libc.syscall(334, glibcs, 32, 1, 0x53053053) == 0
+        area = (ctypes.c_char * 64)()
+        kept.append(area)
+        aligned = ctypes.c_ulong((ctypes.addressof(area) + 31) & ~31)
+        assert libc.syscall(334, aligned, 32, 0, 0x12345678) == 0, os.strerror(ctypes.get_errno())
     elif change == "no write-execute":
         # PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN: for good, by design.
         libc = ctypes.CDLL(None, use_errno=True)
@@ -308,6 +323,7 @@ def process(change=None):
         ("no write-execute", "prctl, more"),
         ("keyring", "keyrings"),
         ("gs base", "prctl, more"),
+        ("rseq of its own", "restartable-sequences"),
     ] {
         let (pid, echoed) = call(&mut worker, json!(change));
         // Where the kernel refuses it (keys under a container's seccomp
@@ -340,9 +356,10 @@ def process(change=None):
 
 /// What one call may change that the kernel holds and the child sets back
 /// itself (a signal handler, the working directory, the umask, a limit, a
-/// timer, its name, the mask, the nice value, its CPUs, a fault handler's
-/// alternate stack): the next call finds each as the first call did, and
-/// the child that ran it serves on.
+/// timer, its name, the mask, the nice value, a fault handler's alternate
+/// stack, the rounding, the restartable-sequences registration, memory
+/// locks, a syscall user dispatch): the next call finds each as the first
+/// call did, and the child that ran it serves on.
 #[test]
 fn what_a_call_set_that_the_child_can_set_back_is_set_back_and_the_child_serves_on() {
     let source = r#"import ctypes, ctypes.util, faulthandler, os, resource, signal
@@ -353,6 +370,42 @@ def alternate_stack():
     ctypes.CDLL(None).sigaltstack(None, ctypes.byref(stack))
     return [stack.sp, stack.flags, stack.size]
 libm = ctypes.CDLL(ctypes.util.find_library("m"))
+def rseq_area():
+    # glibc's restartable-sequences area: __rseq_offset past the thread
+    # pointer (x86-64: arch_prctl(ARCH_GET_FS)).
+    libc = ctypes.CDLL(None, use_errno=True)
+    if ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
+        return libc, None
+    base = ctypes.c_ulong()
+    libc.syscall(158, 0x1003, ctypes.byref(base))
+    return libc, ctypes.c_ulong(base.value + ctypes.c_long.in_dll(libc, "__rseq_offset").value)
+def rseq_registered():
+    # Unregistering with a wrong signature changes nothing: EPERM where the
+    # area is registered, EINVAL where it is not.
+    libc, area = rseq_area()
+    if area is None:
+        return "glibc registers none"
+    libc.syscall(334, area, 32, 1, 0)
+    return os.strerror(ctypes.get_errno())
+# A syscall user dispatch's selector: while it reads 1 (block), a system
+# call traps (SIGSYS, which ends the process) where a dispatch is on.
+selector = ctypes.c_char(b"\0")
+dispatch_turned_on = False
+def dispatch_probe():
+    if dispatch_turned_on:
+        return "on, in this call"
+    selector.value = b"\x01"
+    os.getpid()
+    selector.value = b"\x00"
+    return "off"
+def locked_when_mapping():
+    # What a mapping made now has locked: all of it after mlockall(MCL_FUTURE).
+    import mmap
+    fresh = mmap.mmap(-1, 4096)
+    fresh[0:1] = b"x"
+    locked = [l for l in open("/proc/self/status") if l.startswith("VmLck")][0].split(":")[1].strip()
+    fresh.close()
+    return locked
 def seen():
     status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines())
     return {
@@ -364,6 +417,9 @@ def seen():
         "name": open("/proc/self/comm").read(),
         "nice": os.nice(0),
         "alternate stack": alternate_stack(),
+        "rseq": rseq_registered(),
+        "locked": locked_when_mapping(),
+        "dispatch": dispatch_probe(),
     }
 def process(change=None):
     if change == "signal":
@@ -402,6 +458,22 @@ def process(change=None):
             flipped = (ctypes.c_ulong * 4)(0 if was[0] == 1 else 1, 0, 0, 0)
             libc.syscall(13, number, flipped, None, 8)
         libc.syscall(14, 0, ctypes.byref(ctypes.c_ulong(3 << 31)), None, 8)
+    elif change == "rseq":
+        # glibc's registration let go (x86-64: rseq, RSEQ_FLAG_UNREGISTER):
+        # sched_getcpu() would answer one CPU for every later call.
+        libc, area = rseq_area()
+        if area is not None:
+            assert libc.syscall(334, area, 32, 1, 0x53053053) == 0
+    elif change == "syscall dispatch":
+        # PR_SET_SYSCALL_USER_DISPATCH on, its selector allowing: left on,
+        # a later call that writes 1 there traps its next system call.
+        global dispatch_turned_on
+        on = ctypes.CDLL(None).prctl(59, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                                     ctypes.c_ulong(ctypes.addressof(selector)))
+        dispatch_turned_on = on == 0
+    elif change == "mlockall":
+        # MCL_FUTURE: every mapping made from here on locked.
+        ctypes.CDLL(None).mlockall(2)
     elif change == "alarms":
         # Still firing once the call is over, into a handler of the call's
         # run on its alternate stack.
@@ -443,12 +515,30 @@ def process(change=None):
         "faulthandler",
         "rounding",
         "libc signals",
+        "rseq",
+        "mlockall",
+        "syscall dispatch",
         "alarms",
     ] {
         if change == "nice" && !root {
             continue;
         }
+        if change == "rseq" && before["rseq"] == "glibc registers none" {
+            eprintln!("rseq: glibc registers none here, nothing to let go");
+            continue;
+        }
         let (pid, during) = call(&mut worker, json!(change));
+        // Refused here: no RLIMIT_MEMLOCK and no privilege; a kernel
+        // without syscall user dispatch (before 5.11).
+        let refused = match change {
+            "mlockall" => during["locked"] == before["locked"],
+            "syscall dispatch" => during["dispatch"] == before["dispatch"],
+            _ => false,
+        };
+        if refused {
+            eprintln!("{change}: refused here, nothing to set back");
+            continue;
+        }
         assert_ne!(during, before, "{change}: the call changed something");
         let after: Vec<(i64, Value)> = (0..4).map(|_| call(&mut worker, Value::Null)).collect();
         for (_, seen) in &after {

@@ -9,8 +9,10 @@
 //!    and the threads of the numeric libraries' pools it woke;
 //! 2. puts back every page the call wrote, unmaps what it mapped, returns
 //!    the heap's break ([`memory::Snapshot::restore`]), then the signal
-//!    dispositions ([`settings::Settings::put_back_signals`]) and the
-//!    floating-point environment (rounding, exception flags);
+//!    dispositions ([`settings::Settings::put_back_signals`]), the
+//!    floating-point environment (rounding, exception flags) and memory
+//!    locks (before all else, any syscall user dispatch is turned off and
+//!    the restartable-sequences registration set back);
 //! 3. compares what memory cannot hold with what it was ([`state::State`]):
 //!    fds and their offsets, threads, child processes, signals, cwd, umask,
 //!    limits, credentials, keyrings, timers, prctl's settings, the
@@ -86,9 +88,15 @@ impl Reset {
     /// compared. `Err`: why this process can serve no more calls (its
     /// memory may be the call's).
     pub fn after_call(&self, end_pools: impl FnOnce() -> bool) -> Result<AfterCall, String> {
+        settings::end_syscall_dispatch();
         // Until the dispositions are the snapshot's again, no signal runs a
         // handler of the call's (in memory put back, or on its stack).
         settings::hold_signals();
+        // Before memory is put back: a restartable-sequences area of the
+        // call's own, still registered, is where the kernel writes the CPU
+        // and reads a critical section from, and the restore would put
+        // back what was there before (a kill, at the next preemption).
+        self.settings.put_back_rseq()?;
         self.end_what_the_call_started()?;
         let Some(ended_threads) = one_thread(&self.proc, end_pools) else {
             return Err("a thread the call started is still running".into());
@@ -96,6 +104,7 @@ impl Reset {
         let restored = self.snapshot.restore().map_err(|e| e.to_string())?;
         self.settings.put_back_signals()?;
         self.settings.put_back_floating_point();
+        self.settings.put_back_memory_locks();
         let mut state = self.state();
         if state != self.baseline {
             self.settings.put_back();

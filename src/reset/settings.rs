@@ -3,7 +3,9 @@
 //! floating-point environment): signal dispositions, the signal
 //! mask and the alternate stack, the working directory, the umask, the
 //! resource limits, the interval timers, the timer slack, the name and
-//! the nice value.
+//! the nice value; and, every call, the restartable-sequences
+//! registration, memory locks and any syscall user dispatch, which no
+//! file shows.
 //!
 //! A call that installs a signal handler (a library's import may),
 //! changes directory or lowers a limit would otherwise retire its
@@ -25,7 +27,10 @@
 //!
 //! What is set back is read before the snapshot, onto the heap, so it is
 //! in the snapshot's memory: it is set back only once memory is put back,
-//! and a call that wrote over it has had its writes undone.
+//! and a call that wrote over it has had its writes undone. The
+//! restartable-sequences registration alone is set back before (the
+//! kernel writes into a registered area, which the restore would put
+//! back under it).
 
 use std::os::fd::RawFd;
 
@@ -47,6 +52,11 @@ pub struct Settings {
     /// The floating-point environment (x87 and SSE control and status:
     /// rounding, flush-to-zero, exception flags), glibc's `fenv_t`.
     floating_point: FloatingPoint,
+    /// The restartable-sequences area registered for this thread.
+    rseq: Registration,
+    /// No memory was locked (`VmLck`): every lock a call leaves, and
+    /// `mlockall(MCL_FUTURE)`, which no file shows, can be undone whole.
+    locked_nothing: bool,
 }
 
 /// Room for glibc's `fenv_t` (32 bytes on x86-64, 8 on arm64).
@@ -116,6 +126,8 @@ impl Settings {
                 name,
                 nice,
                 floating_point,
+                rseq: Registration::now(),
+                locked_nothing: locked_nothing(),
             }))
         }
     }
@@ -164,6 +176,39 @@ impl Settings {
         unsafe { fesetenv(&self.floating_point) };
     }
 
+    /// Sets the restartable-sequences registration back: glibc's area
+    /// registered again where a call unregistered it (`sched_getcpu` would
+    /// read a CPU that never changes again, in every later call), none
+    /// where it had none. `Err`: a call registered an area of its own,
+    /// which cannot be unregistered without its signature: the kernel
+    /// would go on writing into memory the next call is handed.
+    pub fn put_back_rseq(&self) -> Result<(), String> {
+        let registered = match self.rseq {
+            Registration::Of(rseq) => rseq.register(),
+            // A spare area of ours registered and let go again: none is.
+            Registration::None => Rseq::spare()
+                .register()
+                .map(|()| Rseq::spare().unregister()),
+            Registration::Unknown => Ok(()),
+        };
+        registered.map_err(|errno| {
+            let error = std::io::Error::from_raw_os_error(errno);
+            format!("a restartable-sequences area of the call's is registered ({error})")
+        })
+    }
+
+    /// Unlocks all memory where the snapshot had none locked: a call's
+    /// `mlockall(MCL_FUTURE)` would lock every mapping the calls after it
+    /// make (and, past `RLIMIT_MEMLOCK`, fail their allocations), and
+    /// nothing the kernel shows says it is set until one does. Memory the
+    /// snapshot had locked is compared instead (`VmLck`).
+    pub fn put_back_memory_locks(&self) {
+        if self.locked_nothing {
+            // SAFETY: munlockall has no preconditions.
+            unsafe { libc::munlockall() };
+        }
+    }
+
     /// Sets the rest back as it was read, as far as the kernel lets this
     /// process: what it refuses stays as the call left it, for the
     /// comparison to find.
@@ -186,6 +231,30 @@ impl Settings {
             libc::setpriority(libc::PRIO_PROCESS, 0, self.nice);
         }
     }
+}
+
+/// Turns off any syscall user dispatch a call turned on
+/// (`PR_SET_SYSCALL_USER_DISPATCH`, Linux 5.11), which no file shows. Left
+/// on with its selector byte allowing, it waits in memory the later calls
+/// are handed: one that happens to write another value there has its next
+/// system call trapped, or its process killed. First thing after a call:
+/// one left blocking traps this very system call (`SIGSYS` ends the
+/// resident where the call installed no handler; one that emulates system
+/// calls is native code against the runtime, as PROTOCOL-NOTES says).
+pub fn end_syscall_dispatch() {
+    const PR_SET_SYSCALL_USER_DISPATCH: libc::c_int = 59;
+    const PR_SYS_DISPATCH_OFF: libc::c_ulong = 0;
+    // SAFETY: prctl with plain values; where the kernel has no dispatch
+    // (EINVAL), nothing was on.
+    unsafe {
+        libc::prctl(
+            PR_SET_SYSCALL_USER_DISPATCH,
+            PR_SYS_DISPATCH_OFF,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    };
 }
 
 /// Disarms the interval timers, then holds every signal (SIGKILL and
@@ -292,4 +361,165 @@ fn open_cwd() -> Option<Pinned> {
     // A directory's change time moves as files are made in it: not part
     // of what it is.
     Pinned::adopt(fd, "the working directory it had").ok()
+}
+
+/// Whether this process has no memory locked (`VmLck: 0 kB`).
+fn locked_nothing() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .any(|line| line.starts_with("VmLck:") && line[6..].trim() == "0 kB")
+    })
+}
+
+/// A restartable-sequences registration (`rseq(2)`, Linux 4.18): an area
+/// of the thread's where the kernel writes the CPU it runs on.
+#[derive(Clone, Copy)]
+struct Rseq {
+    area: usize,
+    length: u32,
+    signature: u32,
+}
+
+/// The signature glibc registers with (`RSEQ_SIG`): 4 bytes the kernel
+/// checks before an abort handler, so one of the C library's own.
+#[cfg(target_arch = "x86_64")]
+const RSEQ_SIGNATURE: u32 = 0x5305_3053;
+#[cfg(target_arch = "aarch64")]
+const RSEQ_SIGNATURE: u32 = 0xd428_bc00;
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const RSEQ_SIGNATURE: u32 = 0;
+
+const RSEQ_FLAG_UNREGISTER: libc::c_int = 1;
+
+/// The spare area of [`Rseq::spare`]: `struct rseq` is 32 bytes, aligned
+/// to 32.
+#[repr(C, align(32))]
+struct SpareArea([u8; 32]);
+static mut SPARE_AREA: SpareArea = SpareArea([0; 32]);
+
+/// The registration a resident had when its snapshot was taken.
+#[derive(Clone, Copy)]
+enum Registration {
+    /// glibc's, of the area it keeps for the thread.
+    Of(Rseq),
+    /// None (`GLIBC_TUNABLES=glibc.pthread.rseq=0`, an older glibc).
+    None,
+    /// One this cannot name, or a kernel without `rseq`: neither compared
+    /// nor set back (a call can change it through native code alone).
+    Unknown,
+}
+
+impl Registration {
+    /// glibc's registration for this thread (2.35 and later): its area
+    /// lies at `__rseq_offset` from the thread pointer. Its length is the
+    /// one the kernel answers "already registered" to (32 up to glibc
+    /// 2.39; later ones may give the kernel's feature size).
+    fn now() -> Registration {
+        // SAFETY: dlsym of glibc's exported `ptrdiff_t`, read once.
+        let offset = unsafe {
+            let symbol = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_offset".as_ptr());
+            (!symbol.is_null()).then(|| *(symbol as *const isize))
+        };
+        let area = offset.and_then(|offset| thread_pointer()?.checked_add_signed(offset));
+        let Some(area) = area else {
+            return Registration::none_or_unknown();
+        };
+        for length in (32..=256).step_by(32) {
+            let rseq = Rseq {
+                area,
+                length,
+                signature: RSEQ_SIGNATURE,
+            };
+            match rseq.call(0) {
+                Err(libc::EBUSY) => return Registration::Of(rseq),
+                // It registered: there was none. Let go again.
+                Ok(()) => {
+                    rseq.unregister();
+                    return Registration::None;
+                }
+                Err(_) => {}
+            }
+        }
+        Registration::Unknown
+    }
+
+    /// Where glibc's area cannot be found: whether any is registered.
+    fn none_or_unknown() -> Registration {
+        match Rseq::spare().call(0) {
+            Ok(()) => {
+                Rseq::spare().unregister();
+                Registration::None
+            }
+            Err(_) => Registration::Unknown,
+        }
+    }
+}
+
+impl Rseq {
+    /// An area of this process's own, in its static memory, to ask the
+    /// kernel with whether any is registered.
+    fn spare() -> Rseq {
+        Rseq {
+            area: std::ptr::addr_of!(SPARE_AREA) as usize,
+            length: 32,
+            signature: RSEQ_SIGNATURE,
+        }
+    }
+
+    /// Registers it: `Ok` where it was already registered as it is, or
+    /// now is; `Err` with the kernel's errno where another area is.
+    fn register(&self) -> Result<(), i32> {
+        match self.call(0) {
+            Ok(()) | Err(libc::EBUSY) => Ok(()),
+            Err(errno) => Err(errno),
+        }
+    }
+
+    fn unregister(&self) {
+        let _ = self.call(RSEQ_FLAG_UNREGISTER);
+    }
+
+    fn call(&self, flags: libc::c_int) -> Result<(), i32> {
+        // SAFETY: rseq with an area of this thread's that outlives the
+        // registration (the C library's, in the thread's TLS, or a static).
+        let answer = unsafe {
+            libc::syscall(
+                libc::SYS_rseq,
+                self.area,
+                self.length,
+                flags,
+                self.signature,
+            )
+        };
+        if answer == 0 {
+            Ok(())
+        } else {
+            // SAFETY: errno, read right after the call.
+            Err(unsafe { *libc::__errno_location() })
+        }
+    }
+}
+
+/// This thread's thread pointer (where its TLS lies).
+#[cfg(target_arch = "x86_64")]
+fn thread_pointer() -> Option<usize> {
+    const ARCH_GET_FS: libc::c_int = 0x1003;
+    let mut base = 0usize;
+    // SAFETY: arch_prctl writes the FS base into a local.
+    let read = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_GET_FS, &mut base) };
+    (read == 0).then_some(base)
+}
+
+#[cfg(target_arch = "aarch64")]
+fn thread_pointer() -> Option<usize> {
+    let base: usize;
+    // SAFETY: reads the thread ID register, as glibc's own `__thread` does.
+    unsafe { std::arch::asm!("mrs {}, tpidr_el0", out(reg) base) };
+    Some(base)
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn thread_pointer() -> Option<usize> {
+    None
 }

@@ -511,6 +511,7 @@ fn status(state: &mut State, at: &Source<'_>) {
         "Speculation_Store_Bypass",
         "SpeculationIndirectBranch",
         "THP_enabled",
+        "VmLck",
         "SigIgn",
         "SigCgt",
     ];
