@@ -281,8 +281,11 @@ def process(change=None):
         # registered (x86-64: rseq): the kernel would go on writing the CPU
         # into memory the next call is handed.
         libc = ctypes.CDLL(None, use_errno=True)
-        if ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
-            return [os.getpid(), "refused: glibc registers none"]
+        try:
+            if os.uname().machine != "x86_64" or ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
+                return [os.getpid(), "refused: glibc registers none here (or not x86-64)"]
+        except ValueError:
+            return [os.getpid(), "refused: glibc before 2.35 registers none"]
         base = ctypes.c_ulong()
         libc.syscall(158, 0x1003, ctypes.byref(base))
         glibcs = ctypes.c_ulong(base.value + ctypes.c_long.in_dll(libc, "__rseq_offset").value)
@@ -372,9 +375,13 @@ def alternate_stack():
 libm = ctypes.CDLL(ctypes.util.find_library("m"))
 def rseq_area():
     # glibc's restartable-sequences area: __rseq_offset past the thread
-    # pointer (x86-64: arch_prctl(ARCH_GET_FS)).
+    # pointer (x86-64: arch_prctl(ARCH_GET_FS)). None before glibc 2.35,
+    # where it registers none, or off x86-64 (the system calls' numbers).
     libc = ctypes.CDLL(None, use_errno=True)
-    if ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
+    try:
+        if os.uname().machine != "x86_64" or ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
+            return libc, None
+    except ValueError:
         return libc, None
     base = ctypes.c_ulong()
     libc.syscall(158, 0x1003, ctypes.byref(base))
@@ -401,7 +408,10 @@ def dispatch_probe():
 def locked_when_mapping():
     # What a mapping made now has locked: all of it after mlockall(MCL_FUTURE).
     import mmap
-    fresh = mmap.mmap(-1, 4096)
+    try:
+        fresh = mmap.mmap(-1, 4096)
+    except OSError as error:
+        return f"no mapping: {error}"
     fresh[0:1] = b"x"
     locked = [l for l in open("/proc/self/status") if l.startswith("VmLck")][0].split(":")[1].strip()
     fresh.close()
@@ -472,8 +482,10 @@ def process(change=None):
                                      ctypes.c_ulong(ctypes.addressof(selector)))
         dispatch_turned_on = on == 0
     elif change == "mlockall":
-        # MCL_FUTURE: every mapping made from here on locked.
-        ctypes.CDLL(None).mlockall(2)
+        # MCL_FUTURE: every mapping made from here on locked. Only where no
+        # limit would refuse this call's own mappings (root, or none).
+        if os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] == resource.RLIM_INFINITY:
+            ctypes.CDLL(None).mlockall(2)
     elif change == "alarms":
         # Still firing once the call is over, into a handler of the call's
         # run on its alternate stack.

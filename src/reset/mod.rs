@@ -92,19 +92,21 @@ impl Reset {
         // Until the dispositions are the snapshot's again, no signal runs a
         // handler of the call's (in memory put back, or on its stack).
         settings::hold_signals();
-        // Before memory is put back: a restartable-sequences area of the
-        // call's own, still registered, is where the kernel writes the CPU
-        // and reads a critical section from, and the restore would put
-        // back what was there before (a kill, at the next preemption).
-        self.settings.put_back_rseq()?;
         self.end_what_the_call_started()?;
         let Some(ended_threads) = one_thread(&self.proc, end_pools) else {
             return Err("a thread the call started is still running".into());
         };
+        // Before memory is put back: a restartable-sequences area of the
+        // call's own, still registered, is where the kernel writes the CPU
+        // and reads a critical section from, and the restore would put
+        // back what was there before (a kill, at the next preemption). And
+        // a call's `mlockall(MCL_FUTURE)` would lock every region the
+        // restore maps again (past `RLIMIT_MEMLOCK`, refuse it).
+        self.settings.put_back_rseq()?;
+        self.settings.put_back_memory_locks();
         let restored = self.snapshot.restore().map_err(|e| e.to_string())?;
         self.settings.put_back_signals()?;
         self.settings.put_back_floating_point();
-        self.settings.put_back_memory_locks();
         let mut state = self.state();
         if state != self.baseline {
             self.settings.put_back();

@@ -4,8 +4,8 @@
 //! mask and the alternate stack, the working directory, the umask, the
 //! resource limits, the interval timers, the timer slack, the name and
 //! the nice value; and, every call, the restartable-sequences
-//! registration, memory locks and any syscall user dispatch, which no
-//! file shows.
+//! registration, memory locks (`mlockall(MCL_FUTURE)` shows nowhere) and
+//! any syscall user dispatch (nor does it).
 //!
 //! A call that installs a signal handler (a library's import may),
 //! changes directory or lowers a limit would otherwise retire its
@@ -28,9 +28,11 @@
 //! What is set back is read before the snapshot, onto the heap, so it is
 //! in the snapshot's memory: it is set back only once memory is put back,
 //! and a call that wrote over it has had its writes undone. The
-//! restartable-sequences registration alone is set back before (the
-//! kernel writes into a registered area, which the restore would put
-//! back under it).
+//! restartable-sequences registration and the memory locks alone are set
+//! back before (the kernel writes into a registered area, which the
+//! restore would put back under it; the restore maps regions again, which
+//! `MCL_FUTURE` would lock): a call that wrote over what they are set back
+//! to is native code against the runtime.
 
 use std::os::fd::RawFd;
 
@@ -56,6 +58,8 @@ pub struct Settings {
     rseq: Registration,
     /// No memory was locked (`VmLck`): every lock a call leaves, and
     /// `mlockall(MCL_FUTURE)`, which no file shows, can be undone whole.
+    /// (Where some was, the snapshot's own mappings lost it: its regions
+    /// are mapped anew, unlocked.)
     locked_nothing: bool,
 }
 
@@ -197,11 +201,10 @@ impl Settings {
         })
     }
 
-    /// Unlocks all memory where the snapshot had none locked: a call's
-    /// `mlockall(MCL_FUTURE)` would lock every mapping the calls after it
-    /// make (and, past `RLIMIT_MEMLOCK`, fail their allocations), and
-    /// nothing the kernel shows says it is set until one does. Memory the
-    /// snapshot had locked is compared instead (`VmLck`).
+    /// Unlocks all memory where none was locked before the snapshot: a
+    /// call's `mlockall(MCL_FUTURE)` would lock every mapping the calls
+    /// after it make (and, past `RLIMIT_MEMLOCK`, fail their allocations),
+    /// and nothing the kernel shows says it is set until one does.
     pub fn put_back_memory_locks(&self) {
         if self.locked_nothing {
             // SAFETY: munlockall has no preconditions.
@@ -412,20 +415,29 @@ enum Registration {
 
 impl Registration {
     /// glibc's registration for this thread (2.35 and later): its area
-    /// lies at `__rseq_offset` from the thread pointer. Its length is the
-    /// one the kernel answers "already registered" to (32 up to glibc
-    /// 2.39; later ones may give the kernel's feature size).
+    /// lies at `__rseq_offset` from the thread pointer, and is registered
+    /// where `__rseq_size` is not 0. Its length is the one the kernel
+    /// answers "already registered" to.
     fn now() -> Registration {
-        // SAFETY: dlsym of glibc's exported `ptrdiff_t`, read once.
-        let offset = unsafe {
-            let symbol = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_offset".as_ptr());
-            (!symbol.is_null()).then(|| *(symbol as *const isize))
+        // SAFETY: dlsym of glibc's exported `ptrdiff_t` and `unsigned int`,
+        // each read once.
+        let (offset, size) = unsafe {
+            let offset = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_offset".as_ptr());
+            let size = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_size".as_ptr());
+            if offset.is_null() || size.is_null() {
+                return Registration::none_or_unknown();
+            }
+            (*(offset as *const isize), *(size as *const u32))
         };
-        let area = offset.and_then(|offset| thread_pointer()?.checked_add_signed(offset));
-        let Some(area) = area else {
+        // glibc registered none (`glibc.pthread.rseq=0`).
+        let area = thread_pointer().and_then(|tp| tp.checked_add_signed(offset));
+        let Some(area) = area.filter(|_| size > 0) else {
             return Registration::none_or_unknown();
         };
-        for length in (32..=256).step_by(32) {
+        // The length it registered with: 32 (the original `struct rseq`),
+        // or its feature size where a later glibc gives more.
+        let lengths = std::iter::once(size.max(32)).chain((64..=256).step_by(32));
+        for length in lengths {
             let rseq = Rseq {
                 area,
                 length,

@@ -511,7 +511,6 @@ fn status(state: &mut State, at: &Source<'_>) {
         "Speculation_Store_Bypass",
         "SpeculationIndirectBranch",
         "THP_enabled",
-        "VmLck",
         "SigIgn",
         "SigCgt",
     ];
