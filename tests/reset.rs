@@ -637,6 +637,52 @@ fn a_node_whose_residents_cannot_be_put_back_gets_fresh_forks_instead() {
     assert!(retired < 12, "{retired} of 40 points: {stderr}");
 }
 
+/// The snapshot a restore copies from cannot be written by a call: its
+/// view is a read-only mapping that `mprotect` will not make writable,
+/// and `/proc/self/mem` will not write through. (Mapped through a
+/// read-only fd of the sealed memfd: a shared mapping of the memfd itself
+/// is refused before Linux 6.7.)
+#[test]
+fn no_call_can_write_the_snapshot_it_is_put_back_from() {
+    let source = r#"import ctypes, os
+def process(x=None):
+    libc = ctypes.CDLL(None, use_errno=True)
+    views = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if "fluksio-reset" in line and not fields[1].startswith("rw"):
+            views.append([int(v, 16) for v in fields[0].split("-")])
+    refused = []
+    for start, end in views:
+        made = libc.mprotect(ctypes.c_void_p(start), ctypes.c_size_t(4096), 3)
+        refused.append(["mprotect", made, os.strerror(ctypes.get_errno())])
+        try:
+            with open("/proc/self/mem", "r+b", buffering=0) as mem:
+                mem.seek(start)
+                mem.write(b"call")
+            refused.append(["mem", "written"])
+        except OSError as error:
+            refused.append(["mem", error.strerror])
+    return [os.getpid(), [len(views), refused, x]]
+"#;
+    let mut worker = reset_worker();
+    let mut served_by = Vec::new();
+    for id in 1..=4 {
+        let reply = worker.call(&run(id, "view", source, json!({"x": id})));
+        let (pid, found) = served(&reply.reply);
+        served_by.push(pid);
+        assert_eq!(found[0], 1, "one view of the snapshot: {found}");
+        assert_eq!(found[2], id, "the call's own kwargs: {found}");
+        for attempt in found[1].as_array().unwrap() {
+            match attempt[0].as_str() {
+                Some("mprotect") => assert_eq!(attempt[1], -1, "{found}"),
+                _ => assert_ne!(attempt[1], "written", "{found}"),
+            }
+        }
+    }
+    served_by_residents(&served_by);
+}
+
 /// What a call does in the normal course, that is put back, and must not
 /// cost the child: files opened and closed, memory mapped and freed, a
 /// module imported, the environment changed, a subprocess run.

@@ -274,21 +274,7 @@ impl Snapshot {
             kept.settle()
                 .map_err(|e| MemoryError(format!("the snapshot's memfd: {e}")))?;
         }
-        // SAFETY: a read-only shared view of the sealed memfd.
-        let view = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size.max(PAGE),
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                memfd,
-                0,
-            )
-        };
-        if view == libc::MAP_FAILED {
-            return Err(os_error("mapping the snapshot"));
-        }
-        k.view = view as usize;
+        k.view = map_view(memfd, size.max(PAGE))?;
         // SAFETY: brk(0) reads the break.
         k.brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as usize;
         read_maps(k, self.maps, true)?;
@@ -746,6 +732,42 @@ fn open_maps(kept: &mut Vec<Pinned>) -> Result<Maps, MemoryError> {
     } else {
         Maps::Text(fd)
     })
+}
+
+/// The sealed memfd mapped read-only, through an fd of it opened
+/// read-only: where the restore copies from. A shared mapping of the memfd
+/// itself (open for writing) is refused before Linux 6.7 once it is sealed
+/// against writes; one of a read-only fd is taken, and can never be made
+/// writable (`mprotect` refuses it: no call can write the snapshot through
+/// it either). No allocation: the snapshot is taken.
+fn map_view(memfd: RawFd, size: usize) -> Result<usize, MemoryError> {
+    let mut path = [0u8; 32];
+    let mut cursor = &mut path[..];
+    std::io::Write::write_fmt(&mut cursor, format_args!("/proc/self/fd/{memfd}\0"))
+        .map_err(|_| MemoryError("the snapshot's path".into()))?;
+    // SAFETY: open with a NUL-terminated path in a local buffer.
+    let read_only = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if read_only < 0 {
+        return Err(os_error("opening the snapshot read-only"));
+    }
+    // SAFETY: a read-only shared mapping of the fd just opened, closed
+    // right after (the mapping holds the file).
+    let view = unsafe {
+        let view = libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            read_only,
+            0,
+        );
+        libc::close(read_only);
+        view
+    };
+    if view == libc::MAP_FAILED {
+        return Err(os_error("mapping the snapshot"));
+    }
+    Ok(view as usize)
 }
 
 /// Reads this process's mappings into `k.now` (and, `as_layout`, into
