@@ -239,12 +239,30 @@ def process(check=None):
     );
 }
 
+/// Python both nodes below start with: glibc's restartable-sequences area.
+const RSEQ_AREA: &str = r#"import ctypes, os
+def rseq_area():
+    # glibc's restartable-sequences area: __rseq_offset past the thread
+    # pointer (x86-64: arch_prctl(ARCH_GET_FS)). None before glibc 2.35,
+    # where it registers none, or off x86-64 (the system calls' numbers).
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        if os.uname().machine != "x86_64" or ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
+            return libc, None
+    except ValueError:
+        return libc, None
+    base = ctypes.c_ulong()
+    libc.syscall(158, 0x1003, ctypes.byref(base))
+    return libc, ctypes.c_ulong(base.value + ctypes.c_long.in_dll(libc, "__rseq_offset").value)
+"#;
+
 /// What one call may change that memory does not hold and the child
 /// cannot set back: each retires the child that ran it, and the next call
 /// gets a fresh one, which is put back after its own calls again.
 #[test]
 fn what_memory_cannot_put_back_retires_the_child_and_a_fresh_fork_serves_on() {
-    let source = r#"import ctypes, ctypes.util, os, signal, threading, time
+    let source = RSEQ_AREA.to_string()
+        + r#"import ctypes, ctypes.util, os, signal, threading, time
 kept = []
 def process(change=None):
     if change == "fd":
@@ -280,15 +298,9 @@ def process(change=None):
         # glibc's restartable-sequences area let go and one of the call's
         # registered (x86-64: rseq): the kernel would go on writing the CPU
         # into memory the next call is handed.
-        libc = ctypes.CDLL(None, use_errno=True)
-        try:
-            if os.uname().machine != "x86_64" or ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
-                return [os.getpid(), "refused: glibc registers none here (or not x86-64)"]
-        except ValueError:
-            return [os.getpid(), "refused: glibc before 2.35 registers none"]
-        base = ctypes.c_ulong()
-        libc.syscall(158, 0x1003, ctypes.byref(base))
-        glibcs = ctypes.c_ulong(base.value + ctypes.c_long.in_dll(libc, "__rseq_offset").value)
+        libc, glibcs = rseq_area()
+        if glibcs is None:
+            return [os.getpid(), "refused: glibc registers none here (or not x86-64)"]
         assert libc.syscall(334, glibcs, 32, 1, 0x53053053) == 0
         area = (ctypes.c_char * 64)()
         kept.append(area)
@@ -307,7 +319,7 @@ def process(change=None):
         id += 1;
         served(
             &worker
-                .call(&run(id, "leaky", source, json!({"change": change})))
+                .call(&run(id, "leaky", &source, json!({"change": change})))
                 .reply,
         )
     };
@@ -365,7 +377,8 @@ def process(change=None):
 /// call did, and the child that ran it serves on.
 #[test]
 fn what_a_call_set_that_the_child_can_set_back_is_set_back_and_the_child_serves_on() {
-    let source = r#"import ctypes, ctypes.util, faulthandler, os, resource, signal
+    let source = RSEQ_AREA.to_string()
+        + r#"import ctypes, ctypes.util, faulthandler, os, resource, signal
 class StackT(ctypes.Structure):
     _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
 def alternate_stack():
@@ -373,19 +386,6 @@ def alternate_stack():
     ctypes.CDLL(None).sigaltstack(None, ctypes.byref(stack))
     return [stack.sp, stack.flags, stack.size]
 libm = ctypes.CDLL(ctypes.util.find_library("m"))
-def rseq_area():
-    # glibc's restartable-sequences area: __rseq_offset past the thread
-    # pointer (x86-64: arch_prctl(ARCH_GET_FS)). None before glibc 2.35,
-    # where it registers none, or off x86-64 (the system calls' numbers).
-    libc = ctypes.CDLL(None, use_errno=True)
-    try:
-        if os.uname().machine != "x86_64" or ctypes.c_uint.in_dll(libc, "__rseq_size").value == 0:
-            return libc, None
-    except ValueError:
-        return libc, None
-    base = ctypes.c_ulong()
-    libc.syscall(158, 0x1003, ctypes.byref(base))
-    return libc, ctypes.c_ulong(base.value + ctypes.c_long.in_dll(libc, "__rseq_offset").value)
 def rseq_registered():
     # Unregistering with a wrong signature changes nothing: EPERM where the
     # area is registered, EINVAL where it is not.
@@ -506,7 +506,7 @@ def process(change=None):
         id += 1;
         served(
             &worker
-                .call(&run(id, "settings", source, json!({"change": change})))
+                .call(&run(id, "settings", &source, json!({"change": change})))
                 .reply,
         )
     };

@@ -495,7 +495,7 @@ impl Rseq {
     fn call(&self, flags: libc::c_int) -> Result<(), i32> {
         // SAFETY: rseq with an area of this thread's that outlives the
         // registration (the C library's, in the thread's TLS, or a static).
-        let answer = unsafe {
+        super::state::returned(unsafe {
             libc::syscall(
                 libc::SYS_rseq,
                 self.area,
@@ -503,13 +503,8 @@ impl Rseq {
                 flags,
                 self.signature,
             )
-        };
-        if answer == 0 {
-            Ok(())
-        } else {
-            // SAFETY: errno, read right after the call.
-            Err(unsafe { *libc::__errno_location() })
-        }
+        })
+        .map(drop)
     }
 }
 

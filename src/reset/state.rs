@@ -701,7 +701,7 @@ fn keyrings(state: &mut State) {
 
 /// A system call's return: its value, or its error (`errno`, read right
 /// after it, before anything else can set it).
-fn returned(value: libc::c_long) -> Result<libc::c_long, i32> {
+pub(super) fn returned(value: libc::c_long) -> Result<libc::c_long, i32> {
     if value < 0 {
         Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
     } else {
