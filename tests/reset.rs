@@ -1206,3 +1206,86 @@ def process(x):
         }
     }
 }
+
+/// The environment a call is given, as Python and C see it: each
+/// variable, in order.
+const ENVIRONMENT: &str = r#"import ctypes, os
+def process(x):
+    environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    c = []
+    while environ[len(c)]:
+        c.append(environ[len(c)].decode())
+    return [os.getpid(), {"python": list(os.environ.items()), "c": c}]
+"#;
+
+/// A resident sets the thread variables every call is given before its
+/// snapshot (the runtime's, the same each call). A call that brings
+/// variables of its own through the agent, or values of its own for
+/// those, still finds each variable where a fresh child would, with a
+/// fresh child's value: nothing of the set-up's or of an earlier call's is
+/// left, in Python's order or C's. Both with no thread variable in the
+/// agent's environment and with one of the user's.
+#[test]
+fn each_call_finds_the_environment_a_fresh_child_is_given() {
+    use common::agent::{Agent, WAIT};
+    use common::engine::{Answer, Engine};
+    let envs = [
+        json!({}),
+        json!({"FROM_THE_CALL": "1"}),
+        json!({}),
+        json!({"OMP_NUM_THREADS": "3"}),
+        json!({}),
+        json!({"FROM_THE_CALL": "2", "OPENBLAS_NUM_THREADS": "1", "HOME": "/elsewhere"}),
+        json!({}),
+        json!({}),
+    ];
+    let removed = [
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "BLIS_NUM_THREADS",
+        "VECLIB_MAXIMUM_THREADS",
+        "NUMEXPR_NUM_THREADS",
+        "NUMBA_NUM_THREADS",
+        "FLUKSIO_THREADS_PER_CALL",
+        "FROM_THE_CALL",
+    ];
+    for user_set in [None, Some(("OMP_NUM_THREADS", "2"))] {
+        // One engine: its address is in every call's environment.
+        let engine = Engine::start(Answer::Welcome);
+        let agent = |isolation: &str| {
+            let mut env = vec![("FLUKSIO_RESET_FALLBACK_AFTER", "0")];
+            env.extend(user_set);
+            let agent = Agent::start_with_only(
+                &engine.url,
+                &["--isolation", isolation, "--learn-imports", "off"],
+                &removed,
+                &env,
+            );
+            (agent, engine.next_connection(WAIT))
+        };
+        let (reset_agent, reset) = agent("reset");
+        let (_fresh_agent, fresh) = agent("call");
+        let mut pids = Vec::new();
+        for (x, env) in envs.iter().enumerate() {
+            let request = json!({"op": "run", "id": x, "call_id": format!("c{x}"), "flow": "f",
+                                 "node": "environment", "source": ENVIRONMENT,
+                                 "kwargs": {"x": x}, "env": env});
+            let (pid, seen) = served(&reset.reply_to(&request, WAIT).1);
+            let (_, expected) = served(&fresh.reply_to(&request, WAIT).1);
+            assert_eq!(
+                seen,
+                expected,
+                "call {x} (env {env}, the agent's {user_set:?}): a resident's environment \
+                 against a fresh child's\n{}",
+                reset_agent.log()
+            );
+            pids.push(pid);
+            std::thread::sleep(SETTLE);
+        }
+        assert!(
+            (1..pids.len()).any(|i| pids[..i].contains(&pids[i])),
+            "a resident served more than one call: {pids:?}"
+        );
+    }
+}

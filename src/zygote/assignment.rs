@@ -105,13 +105,16 @@ pub struct Assignment {
 
 impl Assignment {
     /// The node it is for, and nothing of its call: how a resident that
-    /// is put back after each call (`--isolation reset`) is set up.
+    /// is put back after each call (`--isolation reset`) is set up. Its
+    /// env is the runtime's alone: the thread variables a call that brings
+    /// none of its own is given now, which the resident sets before its
+    /// snapshot (`child::PresetEnv`).
     pub fn without_call(&self) -> Assignment {
         Assignment {
             id: "null".into(),
             call_id: String::new(),
             kwargs: None,
-            env: Vec::new(),
+            env: super::threads::env_for(&[]),
             ..self.clone()
         }
     }

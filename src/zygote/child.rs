@@ -214,6 +214,64 @@ pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)], again: bool) -
     Ok(())
 }
 
+/// The thread variables a reset resident sets before its snapshot: those
+/// the zygote gives a call that brings none of its own (the runtime's, no
+/// call's). Every call then finds its share of the CPUs set already, where
+/// it would otherwise set seven `os.environ` items, and size its pools,
+/// again after every put-back.
+pub(super) struct PresetEnv {
+    env: Vec<(String, String)>,
+    /// What `env` changed: each variable and what `os.environ` had before
+    /// (`None`: it had none).
+    before: Vec<(String, Option<String>)>,
+}
+
+impl PresetEnv {
+    /// Sets `env` now, in this process; nothing where it cannot.
+    pub(super) fn set(py: Python<'_>, env: Vec<(String, String)>) -> PresetEnv {
+        let none = PresetEnv {
+            env: Vec::new(),
+            before: Vec::new(),
+        };
+        let Ok(environ) = py.import("os").and_then(|os| os.getattr("environ")) else {
+            return none;
+        };
+        let before = env
+            .iter()
+            .map(|(key, _)| {
+                let was = environ.get_item(key).ok().and_then(|v| v.extract().ok());
+                (key.clone(), was)
+            })
+            .collect();
+        match apply_env(py, &env, false) {
+            Ok(()) => PresetEnv { env, before },
+            Err(_) => none,
+        }
+    }
+
+    /// A call's environment, set in a process whose memory is the
+    /// snapshot's (so its `os.environ` is as `set` left it). One that
+    /// differs is set as in a fresh child: what `set` changed is undone
+    /// first, so that every variable has a fresh child's value and place,
+    /// in `os.environ`'s order and the C environment's.
+    pub(super) fn apply(&self, py: Python<'_>, env: &[(String, String)]) -> PyResult<()> {
+        if env == self.env.as_slice() {
+            return Ok(());
+        }
+        if !self.before.is_empty() {
+            let environ = py.import("os")?.getattr("environ")?;
+            for (key, was) in &self.before {
+                match was {
+                    Some(value) => environ.set_item(key, value)?,
+                    None if environ.contains(key)? => environ.del_item(key)?,
+                    None => {}
+                }
+            }
+        }
+        apply_env(py, env, false)
+    }
+}
+
 /// Loads if needed, then runs: the part that may raise the node's error.
 /// A trial's function is left in `loaded`, for its warm-up.
 fn perform<'py>(

@@ -1023,7 +1023,7 @@ pub(super) fn serve_in_turn(
 /// assignment that comes down `control`, put back after each.
 fn serve_resetting(
     py: Python<'_>,
-    set_up: Assignment,
+    mut set_up: Assignment,
     function: Function<'_>,
     control: OwnedFd,
     reply_fd: RawFd,
@@ -1055,6 +1055,8 @@ fn serve_resetting(
             }
         }
     };
+    // Its env is the runtime's thread variables, no call's.
+    let preset = child::PresetEnv::set(py, std::mem::take(&mut set_up.env));
     drop(set_up);
     // What its calls import is counted from here: the set-up's imports
     // are in the snapshot.
@@ -1091,7 +1093,10 @@ fn serve_resetting(
             fluksio_embed::finish::at_end(py, fluksio_embed::finish::Ending::Exit);
             crate::process::exit_now(0)
         };
-        serve_one(py, call, pipe, &function, &reply, logs, first_call);
+        if !first_call {
+            logs.clear();
+        }
+        serve_one(py, call, pipe, &function, &reply, &preset, logs);
         first_call = false;
         // The reply woke its reader on this CPU, or found it queued here
         // (the call's hand-off, a sync wake-up, put this child on the
@@ -1136,18 +1141,16 @@ fn serve_one(
     pipe: Option<OwnedFd>,
     function: &Bound<'_, PyAny>,
     reply: &ReplyFd,
+    preset: &child::PresetEnv,
     logs: &LogBuffer,
-    first_call: bool,
 ) {
-    if !first_call {
-        logs.clear();
-    }
     let own_pipe = pipe.is_some();
     if let Some(pipe) = pipe {
         reply.take(pipe);
     }
     super::channel::open(reply.fd, &call.call_id);
-    let outcome = child::apply_env(py, &call.env, false)
+    let outcome = preset
+        .apply(py, &call.env)
         .and_then(|()| child::invoke(py, &call, function))
         .map(Some);
     // Before the reply, as a fresh child's: the zygote learns what every

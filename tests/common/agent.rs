@@ -34,6 +34,21 @@ impl Agent {
         Agent::spawn(&mut command, url, args)
     }
 
+    /// An agent that does not inherit `removed` of the test's environment,
+    /// and has `env` set.
+    pub fn start_with_only(
+        url: &str,
+        args: &[&str],
+        removed: &[&str],
+        env: &[(&str, &str)],
+    ) -> Agent {
+        let mut command = Command::new(ZYGOTE);
+        for name in removed {
+            command.env_remove(name);
+        }
+        Agent::spawn(command.envs(env.iter().copied()), url, args)
+    }
+
     fn spawn(command: &mut Command, url: &str, args: &[&str]) -> Agent {
         let mut child = command
             .args(["agent", "--url", url, "--token", TOKEN])
