@@ -915,9 +915,6 @@ def process(act, which=0):
         try:
             if act == "seek":
                 os.lseek(n, 4096, os.SEEK_SET)
-                # A userfaultfd's seek moves nothing.
-                if os.lseek(n, 0, os.SEEK_CUR) != 4096:
-                    return [os.getpid(), None]
             elif act == "lock":
                 # F_OFD_SETLK, a read lock on the first byte.
                 fcntl.fcntl(n, 37, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 1, 0))
@@ -1291,58 +1288,4 @@ fn each_call_finds_the_environment_a_fresh_child_is_given() {
             "a resident served more than one call: {pids:?}"
         );
     }
-}
-
-/// Each call undoes the registration of every region with the runtime's
-/// userfaultfd (where the kernel gives it one, so that one scan walks
-/// them all), from Python, then leaves state in the module. The next call
-/// still finds the module as the first did, in the same child: a region
-/// the one scan passes by is scanned by itself.
-const UNREGISTERS: &str = r#"import fcntl, os, struct
-UFFDIO_UNREGISTER = 0x8010aa01
-seen = []
-def unregister_the_regions():
-    uffds = [int(fd) for fd in os.listdir("/proc/self/fd")
-             if os.path.exists(f"/proc/self/fd/{fd}")
-             and os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[userfaultfd]"]
-    undone = 0
-    with open("/proc/self/maps") as maps:
-        lines = maps.readlines()
-    for line in lines:
-        fields = line.split()
-        if "fluksio-reset" in line and fields[1] == "rw-p":
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            for fd in uffds:
-                try:
-                    fcntl.ioctl(fd, UFFDIO_UNREGISTER, struct.pack("QQ", start, end - start))
-                    undone += 1
-                except OSError:
-                    pass
-    return len(uffds), undone
-def process(x):
-    state = list(seen)
-    uffds, undone = unregister_the_regions()
-    seen.append(x)
-    return [os.getpid(), {"seen": state, "unregistered": uffds == 0 or undone > 0}]
-"#;
-
-#[test]
-fn a_call_that_unregisters_the_regions_from_the_runtimes_userfaultfd_leaves_nothing_behind() {
-    let mut worker = reset_worker();
-    let pids: Vec<i64> = (0..6)
-        .map(|x| {
-            let (pid, state) = served(
-                &worker
-                    .call(&run(x, "unregisters", UNREGISTERS, json!({"x": x})))
-                    .reply,
-            );
-            assert_eq!(
-                state,
-                json!({"seen": [], "unregistered": true}),
-                "call {x} saw what an earlier call left"
-            );
-            pid
-        })
-        .collect();
-    served_by_residents(&pids[1..]);
 }

@@ -74,9 +74,6 @@ struct Keep {
     current: usize,
     now: [Mapping; MAX_MAPPINGS],
     written: [PageRegion; MAX_WRITTEN],
-    /// For each of `laid_out`: whether the one scan of a restore found a
-    /// page in it ([`Walk::Registered`]).
-    seen: [bool; MAX_MAPPINGS],
     maps_text: [u8; MAPS_BYTES],
 }
 
@@ -108,7 +105,6 @@ struct PmScanArg {
 
 /// `_IOWR('f', 16, struct pm_scan_arg)`.
 const PAGEMAP_SCAN: libc::c_ulong = 0xc060_6610;
-const PAGE_IS_WPALLOWED: u64 = 1 << 0;
 const PAGE_IS_FILE: u64 = 1 << 2;
 const PAGE_IS_PRESENT: u64 = 1 << 3;
 const PAGE_IS_SWAPPED: u64 = 1 << 4;
@@ -142,8 +138,6 @@ pub struct Restored {
 pub struct Snapshot {
     keep: *mut Keep,
     scan: Scan,
-    /// How a restore walks the regions for their written pages.
-    walk: Walk,
     /// How its mappings are read.
     maps: Maps,
     /// The fds of the three, checked before each restore: a call can put
@@ -158,18 +152,6 @@ enum Maps {
     Query(RawFd),
     /// The text, parsed.
     Text(RawFd),
-}
-
-/// How the regions are walked for their written pages.
-#[derive(Clone, Copy)]
-enum Walk {
-    /// One scan of each region.
-    EachRegion,
-    /// One scan from the lowest region to the highest, which the kernel
-    /// walks only in the mappings registered with this userfaultfd, the
-    /// regions ([`super::registered`]); then a scan of each region the
-    /// one scan found nothing in.
-    Registered(RawFd),
 }
 
 /// How written pages are found.
@@ -190,16 +172,6 @@ impl Snapshot {
         let mut kept = Vec::with_capacity(3);
         let scan = open_scan(&mut kept)?;
         let maps = open_maps(&mut kept)?;
-        // Opened now, so that the state read before the snapshot has it:
-        // the regions are registered once they are mapped.
-        let walk = match scan {
-            Scan::Ioctl(_) => super::registered::open().map_or(Walk::EachRegion, |uffd| {
-                let fd = uffd.number();
-                kept.push(uffd);
-                Walk::Registered(fd)
-            }),
-            Scan::Pagemap(_) => Walk::EachRegion,
-        };
         // SAFETY: memfd_create with a static name.
         let memfd = unsafe {
             libc::memfd_create(
@@ -221,7 +193,6 @@ impl Snapshot {
         Ok(Snapshot {
             keep,
             scan,
-            walk,
             maps,
             kept,
         })
@@ -307,21 +278,6 @@ impl Snapshot {
         // SAFETY: brk(0) reads the break.
         k.brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as usize;
         read_maps(k, self.maps, true)?;
-        if let Walk::Registered(uffd) = self.walk {
-            let regions = k.laid_out[..k.layout]
-                .iter()
-                .filter(|l| self.is_region(k, l));
-            if regions
-                .clone()
-                .all(|l| super::registered::register(uffd, l.start, l.end))
-            {
-                for layout in regions {
-                    keep_written(layout);
-                }
-            } else {
-                self.walk = Walk::EachRegion;
-            }
-        }
         protect_keep(keep, libc::PROT_READ);
         Ok(())
     }
@@ -411,125 +367,33 @@ impl Snapshot {
             if at == libc::MAP_FAILED {
                 return Err(os_error("mapping a region back"));
             }
-            if let Walk::Registered(uffd) = self.walk
-                && !super::registered::register(uffd, layout.start, layout.end)
-            {
-                return Err(os_error("registering a region mapped back"));
-            }
             restored.remapped += 1;
         }
         // The pages written: copied back.
         k.restores += 1;
         let trim = k.restores.is_multiple_of(TRIM_EVERY);
-        if let Walk::Registered(_) = self.walk {
-            self.put_back_in_one_scan(k, trim, &mut restored)?;
-        }
         for layout_index in 0..k.layout {
             let layout = k.laid_out[layout_index];
-            let scanned = matches!(self.walk, Walk::Registered(_)) && k.seen[layout_index];
-            if scanned || !self.is_region(k, &layout) {
+            // The view is the memfd's too, mapped shared: nothing in it is
+            // ever written, but its walk read every page it had copied from
+            // (a third of a pandas put-back's scan).
+            if layout.inode != k.memfd_inode || layout.is_special() || self.is_ours(&layout) {
                 continue;
             }
-            // A region the one scan found nothing in (its first page kept
-            // written): a call undid its registration, or dropped that page.
-            self.put_back_region(k, layout, trim, &mut restored)?;
-            if let Walk::Registered(uffd) = self.walk {
-                super::registered::register(uffd, layout.start, layout.end);
-            }
-        }
-        if let Walk::Registered(_) = self.walk {
-            for layout in &k.laid_out[..k.layout] {
-                if self.is_region(k, layout) {
-                    keep_written(layout);
+            let mut from = layout.start;
+            while from < layout.end {
+                let (found, next) = written_pages(self.scan, k, from, layout.end)?;
+                for range in &k.written[..found] {
+                    let (start, end) = (range.start as usize, range.end as usize);
+                    let source = k.view + layout.offset + (start - layout.start);
+                    // SAFETY: both ranges are mapped: the region's pages and
+                    // the view of the snapshot's bytes for them.
+                    unsafe { put_back_pages(source, start, end, trim, &mut restored) };
                 }
+                from = next;
             }
         }
         Ok(restored)
-    }
-
-    /// Puts back the written pages of the regions in one scan of the span
-    /// they lie in, which the kernel walks only in the mappings registered
-    /// with the userfaultfd; marks each region it found a page in.
-    fn put_back_in_one_scan(
-        &self,
-        k: &mut Keep,
-        trim: bool,
-        restored: &mut Restored,
-    ) -> Result<(), MemoryError> {
-        k.seen[..k.layout].fill(false);
-        let regions = &k.laid_out[..k.layout];
-        let (Some(first), Some(last)) = (
-            regions.iter().position(|l| self.is_region(k, l)),
-            regions.iter().rposition(|l| self.is_region(k, l)),
-        ) else {
-            return Ok(());
-        };
-        let (mut from, end) = (k.laid_out[first].start, k.laid_out[last].end);
-        // The mapping the next range may start in: ranges come in order.
-        let mut at = first;
-        while from < end {
-            let (found, next) = pages_in(
-                self.scan,
-                k,
-                from,
-                end,
-                PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-                PAGE_IS_FILE,
-                PAGE_IS_WPALLOWED,
-            )?;
-            for range in 0..found {
-                let (mut start, range_end) = (
-                    k.written[range].start as usize,
-                    k.written[range].end as usize,
-                );
-                // A range may run across regions side by side.
-                while start < range_end {
-                    while at <= last && k.laid_out[at].end <= start {
-                        at += 1;
-                    }
-                    let layout = k.laid_out[at.min(last)];
-                    if at > last || layout.start >= range_end {
-                        break;
-                    }
-                    let (from_page, to_page) = (start.max(layout.start), range_end.min(layout.end));
-                    // A mapping a call registered through the fd is walked
-                    // too: only regions are put back.
-                    if self.is_region(k, &layout) {
-                        let source = k.view + layout.offset + (from_page - layout.start);
-                        // SAFETY: both ranges are mapped: the region's pages
-                        // and the view of the snapshot's bytes for them.
-                        unsafe { put_back_pages(source, from_page, to_page, trim, restored) };
-                        k.seen[at] = true;
-                    }
-                    start = to_page;
-                }
-            }
-            from = next;
-        }
-        Ok(())
-    }
-
-    /// Puts back the written pages of one region, scanned by itself.
-    fn put_back_region(
-        &self,
-        k: &mut Keep,
-        layout: Mapping,
-        trim: bool,
-        restored: &mut Restored,
-    ) -> Result<(), MemoryError> {
-        let mut from = layout.start;
-        while from < layout.end {
-            let (found, next) = written_pages(self.scan, k, from, layout.end)?;
-            for range in &k.written[..found] {
-                let (start, end) = (range.start as usize, range.end as usize);
-                let source = k.view + layout.offset + (start - layout.start);
-                // SAFETY: both ranges are mapped: the region's pages and
-                // the view of the snapshot's bytes for them.
-                unsafe { put_back_pages(source, start, end, trim, restored) };
-            }
-            from = next;
-        }
-        Ok(())
     }
 
     /// Where this thread's stack mapping starts (its lowest address), as
@@ -544,14 +408,6 @@ impl Snapshot {
             .iter()
             .find(|m| m.start <= here && here < m.end)
             .map(|m| m.start)
-    }
-
-    /// Whether the layout's `mapping` is a region: the memfd's, mapped
-    /// private. The view is the memfd's too, mapped shared: nothing in it
-    /// is ever written, but its walk read every page it had copied from (a
-    /// third of a pandas put-back's scan).
-    fn is_region(&self, k: &Keep, mapping: &Mapping) -> bool {
-        mapping.inode == k.memfd_inode && !mapping.is_special() && !self.is_ours(mapping)
     }
 
     /// Keep's mapping, or the view: the snapshot's own.
@@ -612,17 +468,6 @@ unsafe fn put_back_pages(
     drop_unchanged(unchanged_from, end);
 }
 
-/// Writes a region's first byte back over itself: its first page is then
-/// the process's own, which the one scan of a restore finds wherever the
-/// region is still registered ([`Walk::Registered`]).
-fn keep_written(region: &Mapping) {
-    let first = region.start as *mut u8;
-    // SAFETY: the first byte of a region, mapped readable and writable as
-    // the snapshot has it; its own value written back, with no other
-    // thread and every signal blocked.
-    unsafe { std::ptr::write_volatile(first, std::ptr::read_volatile(first)) };
-}
-
 /// Whether the snapshot's layout has `mapping`, as it is now.
 fn in_layout(k: &Keep, mapping: &Mapping) -> bool {
     (k.laid_out[..k.layout].binary_search_by(|m| m.order(mapping))).is_ok()
@@ -678,7 +523,6 @@ fn copy_out(memfd: RawFd, region: &Region, scan: Scan, k: &mut Keep) -> Result<(
             region.end,
             PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
             0,
-            0,
         )?;
         for i in 0..found {
             let range = k.written[i];
@@ -705,7 +549,6 @@ fn written_pages(
         end,
         PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
         PAGE_IS_FILE,
-        0,
     )
 }
 
@@ -719,7 +562,6 @@ fn pages_in(
     end: usize,
     anyof: u64,
     none: u64,
-    mapping_is: u64,
 ) -> Result<(usize, usize), MemoryError> {
     match scan {
         Scan::Ioctl(fd) => {
@@ -733,7 +575,7 @@ fn pages_in(
                 vec_len: MAX_WRITTEN as u64,
                 max_pages: 0,
                 category_inverted: none,
-                category_mask: none | mapping_is,
+                category_mask: none,
                 category_anyof_mask: anyof,
                 return_mask: anyof | none,
             };

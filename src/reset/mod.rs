@@ -27,7 +27,6 @@ pub mod heap;
 pub mod maps;
 pub mod memory;
 pub mod pinned;
-pub mod registered;
 pub mod settings;
 pub mod state;
 
