@@ -1239,17 +1239,8 @@ fn each_call_finds_the_environment_a_fresh_child_is_given() {
         json!({}),
         json!({}),
     ];
-    let removed = [
-        "OMP_NUM_THREADS",
-        "OPENBLAS_NUM_THREADS",
-        "MKL_NUM_THREADS",
-        "BLIS_NUM_THREADS",
-        "VECLIB_MAXIMUM_THREADS",
-        "NUMEXPR_NUM_THREADS",
-        "NUMBA_NUM_THREADS",
-        "FLUKSIO_THREADS_PER_CALL",
-        "FROM_THE_CALL",
-    ];
+    let mut removed = common::THREAD_VARIABLES.to_vec();
+    removed.push("FROM_THE_CALL");
     for user_set in [None, Some(("OMP_NUM_THREADS", "2"))] {
         // One engine: its address is in every call's environment.
         let engine = Engine::start(Answer::Welcome);

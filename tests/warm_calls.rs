@@ -12,21 +12,8 @@ use std::process::{Command, Output, Stdio};
 
 use common::agent::{Agent, WAIT};
 use common::engine::{Answer, Engine};
-use common::{Worker, ZYGOTE, scratch};
+use common::{THREAD_VARIABLES, Worker, ZYGOTE, scratch};
 use serde_json::{Value, json};
-
-/// The variables that size thread pools, which no test inherits.
-const THREAD_VARIABLES: [&str; 9] = [
-    "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "GOTO_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "BLIS_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-    "NUMBA_NUM_THREADS",
-    "FLUKSIO_THREADS_PER_CALL",
-];
 
 /// A command of ours with no thread variable inherited, plus `env`.
 fn ours(env: &[(&str, &str)]) -> Command {

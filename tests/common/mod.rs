@@ -228,6 +228,20 @@ fn pump(stream: impl std::io::Read + Send + 'static) -> Receiver<String> {
 }
 
 /// A run request for `source` with `kwargs`.
+/// The variables that size thread pools, which no test inherits where it
+/// depends on them (this machine may set `OPENBLAS_*`).
+pub const THREAD_VARIABLES: [&str; 9] = [
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "NUMBA_NUM_THREADS",
+    "FLUKSIO_THREADS_PER_CALL",
+];
+
 pub fn run(id: i64, node: &str, source: &str, kwargs: Value) -> Value {
     serde_json::json!({"id": id, "op": "run", "flow": "t", "node": node, "source": source, "kwargs": kwargs})
 }
