@@ -1223,8 +1223,9 @@ def process(x):
 /// variables of its own through the agent, or values of its own for
 /// those, still finds each variable where a fresh child would, with a
 /// fresh child's value: nothing of the set-up's or of an earlier call's is
-/// left, in Python's order or C's. Both with no thread variable in the
-/// agent's environment and with one of the user's.
+/// left, in Python's order or C's. With no thread variable in the agent's
+/// environment, with one of the user's, and with that one overridden by
+/// `--threads-per-call`.
 #[test]
 fn each_call_finds_the_environment_a_fresh_child_is_given() {
     use common::agent::{Agent, WAIT};
@@ -1241,12 +1242,18 @@ fn each_call_finds_the_environment_a_fresh_child_is_given() {
     ];
     let mut removed = common::THREAD_VARIABLES.to_vec();
     removed.push("FROM_THE_CALL");
-    for user_set in [None, Some(("OMP_NUM_THREADS", "2"))] {
+    let users: [&[(&str, &str)]; 3] = [
+        &[],
+        &[("OMP_NUM_THREADS", "2")],
+        // `--threads-per-call` overrides the user's variable, call by call.
+        &[("OMP_NUM_THREADS", "2"), ("FLUKSIO_THREADS_PER_CALL", "1")],
+    ];
+    for user_set in users {
         // One engine: its address is in every call's environment.
         let engine = Engine::start(Answer::Welcome);
         let agent = |isolation: &str| {
             let mut env = vec![("FLUKSIO_RESET_FALLBACK_AFTER", "0")];
-            env.extend(user_set);
+            env.extend_from_slice(user_set);
             let agent = Agent::start_with_only(
                 &engine.url,
                 &["--isolation", isolation, "--learn-imports", "off"],

@@ -221,50 +221,37 @@ pub(super) fn apply_env(py: Python<'_>, env: &[(String, String)], again: bool) -
 /// again after every put-back.
 pub(super) struct PresetEnv {
     env: Vec<(String, String)>,
-    /// What `env` changed: each variable and what `os.environ` had before
-    /// (`None`: it had none).
-    before: Vec<(String, Option<String>)>,
 }
 
 impl PresetEnv {
-    /// Sets `env` now, in this process; nothing where it cannot.
+    /// Sets `env` now, in this process, where none of it is set yet (with
+    /// `--threads-per-call`, the user's own variables are overridden call
+    /// by call instead: undone, they would leave the pools as the preset
+    /// sized them).
     pub(super) fn set(py: Python<'_>, env: Vec<(String, String)>) -> PresetEnv {
-        let none = PresetEnv {
-            env: Vec::new(),
-            before: Vec::new(),
-        };
-        let Ok(environ) = py.import("os").and_then(|os| os.getattr("environ")) else {
-            return none;
-        };
-        let before = env
-            .iter()
-            .map(|(key, _)| {
-                let was = environ.get_item(key).ok().and_then(|v| v.extract().ok());
-                (key.clone(), was)
-            })
-            .collect();
-        match apply_env(py, &env, false) {
-            Ok(()) => PresetEnv { env, before },
-            Err(_) => none,
+        let unset = env.iter().all(|(key, _)| std::env::var_os(key).is_none());
+        if unset && apply_env(py, &env, false).is_ok() {
+            PresetEnv { env }
+        } else {
+            PresetEnv { env: Vec::new() }
         }
     }
 
     /// A call's environment, set in a process whose memory is the
     /// snapshot's (so its `os.environ` is as `set` left it). One that
-    /// differs is set as in a fresh child: what `set` changed is undone
-    /// first, so that every variable has a fresh child's value and place,
-    /// in `os.environ`'s order and the C environment's.
+    /// differs is set as in a fresh child: the preset variables are taken
+    /// out first, so that every variable has a fresh child's value and
+    /// place, in `os.environ`'s order and the C environment's (and the
+    /// pools are sized again, since the call sets them anew).
     pub(super) fn apply(&self, py: Python<'_>, env: &[(String, String)]) -> PyResult<()> {
         if env == self.env.as_slice() {
             return Ok(());
         }
-        if !self.before.is_empty() {
+        if !self.env.is_empty() {
             let environ = py.import("os")?.getattr("environ")?;
-            for (key, was) in &self.before {
-                match was {
-                    Some(value) => environ.set_item(key, value)?,
-                    None if environ.contains(key)? => environ.del_item(key)?,
-                    None => {}
+            for (key, _) in &self.env {
+                if environ.contains(key)? {
+                    environ.del_item(key)?;
                 }
             }
         }
