@@ -34,16 +34,7 @@
 #ifndef UFFD_FEATURE_WP_UNPOPULATED
 #define UFFD_FEATURE_WP_UNPOPULATED (1<<13)
 #endif
-struct page_region{uint64_t start,end,categories;};
-struct pm_scan_arg{uint64_t size,flags,start,end,walk_end,vec,vec_len,max_pages,category_inverted,category_mask,category_anyof_mask,return_mask;};
-#define PAGEMAP_SCAN 0xc0606610
-#define PM_SCAN_WP_MATCHING (1<<0)
-#define PM_SCAN_CHECK_WPASYNC (1<<1)
-#define PAGE_IS_WPALLOWED (1<<0)
-#define PAGE_IS_WRITTEN (1<<1)
-#define PAGE_IS_FILE (1<<2)
-#define PAGE_IS_PRESENT (1<<3)
-#define PAGE_IS_SWAPPED (1<<4)
+#include "pagemap_scan.h"
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec*1e6+t.tv_nsec/1e3;}
 static struct page_region v[4096];
 static long scan(int fd,char*p,long n,int written){
