@@ -659,7 +659,8 @@ def process(x=None):
     views = []
     for line in open("/proc/self/maps"):
         fields = line.split()
-        if "fluksio-reset" in line and not fields[1].startswith("rw"):
+        # Shared: the snapshot's private mappings are its regions.
+        if "fluksio-reset" in line and fields[1][1:] == "--s":
             views.append([int(v, 16) for v in fields[0].split("-")])
     refused = []
     for start, end in views:
@@ -1353,4 +1354,121 @@ fn no_call_leaves_pages_write_protected_for_a_later_call_to_read() {
         pids.push(result[0].as_i64().expect("a pid"));
     }
     served_by_residents(&pids[1..]);
+}
+
+/// What no call may leave in memory that is not writable: a write through
+/// `/proc/self/mem` (which writes a private read-only page, code too, as
+/// a debugger's breakpoint does: pure Python, no `ctypes`), or through
+/// `mprotect` made writable and read-only again, into a library's code,
+/// its read-only data and its relocated pointers (`RELRO`), and into
+/// anonymous memory read-only or inaccessible since the set-up, and the
+/// kernel's own code (`[vdso]`, whose resident is retired). Each call
+/// reads every target first and then writes its own mark there: every
+/// call must read what the set-up left.
+#[test]
+fn no_call_leaves_writes_in_memory_that_is_not_writable_for_a_later_call_to_read() {
+    let source = r#"import ctypes, mmap, os, _bisect
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+# Anonymous memory written at the set-up and then made read-only, and
+# some made inaccessible.
+read_only = libc.mmap(None, 4096, 3, ANONYMOUS, -1, 0)
+ctypes.memmove(read_only, b"set-up", 6)
+libc.mprotect(read_only, 4096, mmap.PROT_READ)
+inaccessible = libc.mmap(None, 4096, 3, ANONYMOUS, -1, 0)
+ctypes.memmove(inaccessible, b"set-up", 6)
+libc.mprotect(inaccessible, 4096, 0)
+
+def mappings_of(path):
+    found = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) > 5 and fields[5] == path:
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            found.append((start, end, fields[1], int(fields[2], 16)))
+    return sorted(found)
+
+def relro_of(path, base):
+    # PT_GNU_RELRO, from the file's program headers: its pointers are
+    # relocated at load and then made read-only.
+    with open(path, "rb") as elf:
+        header = elf.read(64)
+        phoff = int.from_bytes(header[32:40], "little")
+        size, count = (int.from_bytes(header[i:i + 2], "little") for i in (54, 56))
+        elf.seek(phoff)
+        table = elf.read(size * count)
+    for i in range(count):
+        entry = table[i * size:(i + 1) * size]
+        if int.from_bytes(entry[0:4], "little") == 0x6474E552:
+            vaddr, memsz = (int.from_bytes(entry[i:i + 8], "little") for i in (16, 40))
+            end = (base + vaddr + memsz) & ~4095
+            assert end > base + vaddr, "RELRO spans a page"
+            return end - 16
+    raise AssertionError("no RELRO")
+
+def targets():
+    # _bisect's code and its read-only data (right above the code), and its
+    # RELRO: all unused by the call.
+    library = mappings_of(_bisect.__file__)
+    base = [m for m in library if m[3] == 0][0][0]
+    code = [m for m in library if "x" in m[2]][0]
+    rodata = [m for m in library if m[0] == code[1]][0]
+    return {
+        "code": code[1] - 16,
+        "rodata": rodata[1] - 16,
+        "relro": relro_of(_bisect.__file__, base),
+        "read-only": read_only,
+        "inaccessible": inaccessible,
+        # The kernel's code, the padding at its end.
+        "vdso": mappings_of("[vdso]")[0][1] - 16,
+    }
+
+def process(call):
+    found = {}
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        for name, at in targets().items():
+            mem.seek(at)
+            found[name] = mem.read(6).hex()
+            if name == "vdso" and call != 3:
+                continue  # its resident cannot be put back: once
+            mem.seek(at)
+            try:
+                mem.write(b"call%02d" % call)
+            except OSError:
+                pass  # refused: a shared mapping of a file opened read-only
+    # The read-only page made writable, written and made read-only again.
+    found["mprotected"] = ctypes.string_at(read_only + 8, 6).hex()
+    if libc.mprotect(read_only, 4096, 3) == 0:
+        ctypes.memmove(read_only + 8, b"call%02d" % call, 6)
+        libc.mprotect(read_only, 4096, mmap.PROT_READ)
+    return [os.getpid(), found]
+"#;
+    let mut worker = reset_worker();
+    let mut served_by = Vec::new();
+    let mut first = None;
+    for call in 1..=6 {
+        let reply = worker.call(&run(call, "read-only", source, json!({"call": call})));
+        let (pid, found) = served(&reply.reply);
+        served_by.push(pid);
+        let marks: Vec<String> = (1..call)
+            .map(|earlier| {
+                format!("call{earlier:02}")
+                    .bytes()
+                    .map(|b| format!("{b:02x}"))
+                    .collect()
+            })
+            .collect();
+        for (name, read) in found.as_object().unwrap() {
+            assert!(
+                !marks.iter().any(|mark| mark == read.as_str().unwrap()),
+                "call {call} read what an earlier call wrote at {name}: {found}"
+            );
+        }
+        let first = first.get_or_insert_with(|| found.clone());
+        assert_eq!(&found, first, "call {call} reads what the set-up left");
+    }
+    a_resident_served_more_than_one(&served_by);
 }

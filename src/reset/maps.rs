@@ -154,7 +154,7 @@ pub fn query(fd: RawFd, into: &mut [Mapping]) -> std::io::Result<Option<usize>> 
             end: found.vma_end as usize,
             offset: found.vma_offset as usize,
             inode: found.inode,
-            dev: (found.dev_major as u64) << 32 | found.dev_minor as u64,
+            dev: device(found.dev_major, found.dev_minor),
             prot: flag(VMA_READABLE, libc::PROT_READ)
                 | flag(VMA_WRITABLE, libc::PROT_WRITE)
                 | flag(VMA_EXECUTABLE, libc::PROT_EXEC),
@@ -164,6 +164,22 @@ pub fn query(fd: RawFd, into: &mut [Mapping]) -> std::io::Result<Option<usize>> 
         count += 1;
         at = found.vma_end;
     }
+}
+
+/// A device number as [`Mapping::dev`] holds it.
+pub fn device(major: u32, minor: u32) -> u64 {
+    (major as u64) << 32 | minor as u64
+}
+
+/// The path of the file mapped at `at`, NUL-terminated in `into`, by
+/// `PROCMAP_QUERY` on `fd`; `None` for a mapping of no file, or a path
+/// longer than `into`.
+pub fn path_of(fd: RawFd, at: usize, into: &mut [u8]) -> Option<&[u8]> {
+    let found = query_one(fd, at as u64, Some(into)).ok()?;
+    if found.inode == 0 || found.vma_start != at as u64 || found.vma_name_size == 0 {
+        return None;
+    }
+    into.get(..found.vma_name_size as usize)
 }
 
 /// The mapping at `at` or the first above it; its name into `name`.
@@ -225,7 +241,7 @@ fn parse_line(line: &[u8]) -> Option<Mapping> {
         end: hex(&range[dash + 1..])?,
         offset,
         inode,
-        dev: (hex(major)? as u64) << 32 | hex(&minor[1..])? as u64,
+        dev: device(hex(major)? as u32, hex(&minor[1..])? as u32),
         prot: flag(0, b'r', libc::PROT_READ)
             | flag(1, b'w', libc::PROT_WRITE)
             | flag(2, b'x', libc::PROT_EXEC),

@@ -12,6 +12,13 @@
 //! heap's break, unmaps what was mapped since, and maps again a region
 //! that was unmapped or remapped.
 //!
+//! Read-only memory is copy-on-write too, by force (`/proc/self/mem`) or
+//! through `mprotect`: a read-only mapping that holds pages of its own
+//! (RELRO, anonymous memory) is a region as well, whose written pages are
+//! dropped; code and read-only data are mapped shared from their file
+//! ([`read_only`]), which nothing can write; what is neither (`[vdso]`) is
+//! watched, and a page of a call's own there cannot be put back.
+//!
 //! Nothing of this lives in the memory it puts back: the tables are in a
 //! shared mapping of their own ([`Keep`]), which the snapshot leaves out,
 //! and the restore allocates nothing. The stack is left out too (it is in
@@ -24,9 +31,12 @@ use std::os::fd::RawFd;
 
 use super::maps::{self, Mapping};
 use super::pinned::Pinned;
+use super::read_only::{self, Remapped};
 
 /// Private writable mappings a snapshot holds at most.
 const MAX_REGIONS: usize = 16 * 1024;
+/// Read-only mappings watched for pages of a call's own at most.
+const MAX_WATCHED: usize = 1024;
 /// Mappings a process has at most (`vm.max_map_count`'s default, 65,530).
 const MAX_MAPPINGS: usize = 64 * 1024;
 /// Written ranges one scan returns at most (a scan that fills it goes on).
@@ -35,12 +45,21 @@ const MAX_WRITTEN: usize = 4096;
 const MAPS_BYTES: usize = 16 << 20;
 
 const PAGE: usize = 4096;
+/// Where the kernel's half of the address space starts: the vsyscall page,
+/// listed in `/proc/self/maps`, is of no process's memory.
+const KERNEL_HALF: usize = 0xffff_8000_0000_0000;
+/// How far apart two regions one scan covers lie at most: walking the
+/// page-table entries between them (9-44 ns each) costs less than a scan
+/// of its own (~2.5 µs before its first page).
+const SCAN_ACROSS: usize = 32 * PAGE;
 /// How often a restore drops the private pages no call changed since the
 /// last such restore ([`put_back_pages`]).
 const TRIM_EVERY: u64 = 32;
 
-/// A private writable mapping, as the snapshot holds it: its bytes at
-/// `offset` in the memfd.
+/// A private mapping, as the snapshot holds it: its bytes at `offset` in
+/// the memfd. Every writable one, and a read-only one that holds pages of
+/// its own (RELRO's relocated pointers, anonymous memory made read-only or
+/// inaccessible), which a forced write could change in place.
 #[derive(Clone, Copy, Default)]
 #[repr(C)]
 struct Region {
@@ -48,6 +67,18 @@ struct Region {
     end: usize,
     offset: usize,
     prot: i32,
+}
+
+/// What a snapshot does with a private mapping.
+enum Held {
+    /// Copied into the memfd and mapped from it: put back after each call.
+    Region,
+    /// Scanned after each call: a page of the call's own there retires the
+    /// resident.
+    Watched,
+    /// Neither: the stack, in use; code and read-only data mapped shared
+    /// from their file, which no call can write.
+    Not,
 }
 
 /// What the snapshot keeps outside the memory it puts back: a shared
@@ -67,6 +98,11 @@ struct Keep {
     restores: u64,
     regions: usize,
     region: [Region; MAX_REGIONS],
+    /// Private read-only mappings neither held nor made unwritable (the
+    /// kernel's `[vdso]`; a file that could not be opened again): a page of
+    /// a call's own in one cannot be put back.
+    watched: usize,
+    watch: [Mapping; MAX_WATCHED],
     /// The mappings right after the snapshot, ascending.
     layout: usize,
     laid_out: [Mapping; MAX_MAPPINGS],
@@ -208,16 +244,54 @@ impl Snapshot {
         // SAFETY: Keep lives as long as the process, used by this thread.
         let k = unsafe { &mut *keep };
         read_maps(k, self.maps, false)?;
-        // Which mappings to keep, and where each goes in the memfd.
+        // Which mappings to keep, and where each goes in the memfd; a
+        // library's code and read-only data mapped shared instead, so that
+        // no call can write them (`read_only`).
+        let query = match self.maps {
+            Maps::Query(fd) => Some(fd),
+            Maps::Text(_) => None,
+        };
         let mut size = 0;
         k.regions = 0;
-        for mapping in &k.now[..k.current] {
-            if !mapping.is_private_writable() || mapping.is_special() || mapping.is_within(keep) {
+        k.watched = 0;
+        for i in 0..k.current {
+            let mapping = k.now[i];
+            if !mapping.private || mapping.is_within(keep) || mapping.start >= KERNEL_HALF {
                 continue;
+            }
+            let writable = mapping.prot & libc::PROT_WRITE != 0;
+            let held = if mapping.is_special() {
+                // The stack is in use, and the kernel's own (`[vdso]`)
+                // cannot be mapped again.
+                if writable { Held::Not } else { Held::Watched }
+            } else if writable || mapping.inode == 0 || holds_own_pages(scan, k, &mapping)? {
+                Held::Region
+            } else {
+                match read_only::map_shared(&mapping, query) {
+                    Remapped::Shared => Held::Not,
+                    Remapped::Left => Held::Watched,
+                    // Code or data gone from under this process.
+                    // SAFETY: _exit is always safe.
+                    Remapped::Lost => unsafe { libc::_exit(HALF_TAKEN) },
+                }
+            };
+            match held {
+                Held::Not => continue,
+                Held::Watched if k.watched == MAX_WATCHED => {
+                    return Err(MemoryError(format!(
+                        "more than {MAX_WATCHED} read-only mappings to watch"
+                    )));
+                }
+                Held::Watched => {
+                    k.watch[k.watched] = mapping;
+                    k.watched += 1;
+                    continue;
+                }
+                Held::Region => {}
             }
             if k.regions == MAX_REGIONS {
                 return Err(MemoryError(format!(
-                    "more than {MAX_REGIONS} writable mappings"
+                    "more than {MAX_REGIONS} private mappings to hold"
                 )));
             }
             k.region[k.regions] = Region {
@@ -369,28 +443,52 @@ impl Snapshot {
             }
             restored.remapped += 1;
         }
-        // The pages written: copied back.
+        // The pages written: copied back. Regions a few pages apart (a
+        // library's RELRO, data and bss; a thread's stack and its guard) are
+        // scanned together: a scan costs more before it walks a page than
+        // walking the pages between them.
         k.restores += 1;
         let trim = k.restores.is_multiple_of(TRIM_EVERY);
-        for layout_index in 0..k.layout {
-            let layout = k.laid_out[layout_index];
-            // The view is the memfd's too, mapped shared: nothing in it is
-            // ever written, but its walk read every page it had copied from
-            // (a third of a pandas put-back's scan).
-            if layout.inode != k.memfd_inode || layout.is_special() || self.is_ours(&layout) {
-                continue;
-            }
-            let mut from = layout.start;
-            while from < layout.end {
-                let (found, next) = written_pages(self.scan, k, from, layout.end)?;
-                for range in &k.written[..found] {
-                    let (start, end) = (range.start as usize, range.end as usize);
-                    let source = k.view + layout.offset + (start - layout.start);
-                    // SAFETY: both ranges are mapped: the region's pages and
-                    // the view of the snapshot's bytes for them.
-                    unsafe { put_back_pages(source, start, end, trim, &mut restored) };
+        let mut first = 0;
+        while let Some((group, next)) = self.next_group(k, first) {
+            let (start, end) = (k.laid_out[group.start].start, k.laid_out[group.end - 1].end);
+            let mut region = group.start;
+            let mut from = start;
+            while from < end {
+                let (found, next) = written_pages(self.scan, k, from, end)?;
+                for i in 0..found {
+                    let range = k.written[i];
+                    let (mut at, until) = (range.start as usize, range.end as usize);
+                    // Each part of the range in a region, put back as that
+                    // region's; what lies between regions is not theirs.
+                    while at < until {
+                        while region < group.end
+                            && (!self.is_region(k, region) || k.laid_out[region].end <= at)
+                        {
+                            region += 1;
+                        }
+                        let Some(layout) = k.laid_out[..group.end].get(region).copied() else {
+                            break;
+                        };
+                        if layout.start >= until {
+                            break;
+                        }
+                        let (part_start, part_end) = (at.max(layout.start), until.min(layout.end));
+                        put_back(k.view, &layout, part_start, part_end, trim, &mut restored);
+                        at = part_end;
+                    }
                 }
                 from = next;
+            }
+            first = next;
+        }
+        for i in 0..k.watched {
+            let watched = k.watch[i];
+            if written_pages(self.scan, k, watched.start, watched.end)?.0 > 0 {
+                return Err(MemoryError(format!(
+                    "the call wrote into read-only memory the snapshot holds no copy of: {}",
+                    watched.describe()
+                )));
             }
         }
         Ok(restored)
@@ -410,12 +508,61 @@ impl Snapshot {
             .map(|m| m.start)
     }
 
+    /// Whether the mapping at `index` of the layout is a region: the
+    /// memfd's, mapped private. (The view is the memfd's too, mapped
+    /// shared: nothing in it is ever written, but its walk read every page
+    /// it had copied from, a third of a pandas put-back's scan.)
+    fn is_region(&self, k: &Keep, index: usize) -> bool {
+        let layout = &k.laid_out[index];
+        layout.inode == k.memfd_inode && !layout.is_special() && !self.is_ours(layout)
+    }
+
+    /// The regions from the layout's `first` on that one scan covers: the
+    /// first region, and each after it no more than [`SCAN_ACROSS`] past
+    /// the one before; and where to look for the next group.
+    fn next_group(&self, k: &Keep, first: usize) -> Option<(std::ops::Range<usize>, usize)> {
+        let start = (first..k.layout).find(|&i| self.is_region(k, i))?;
+        let mut last = start;
+        let mut next = start + 1;
+        while next < k.layout && k.laid_out[next].start - k.laid_out[last].end <= SCAN_ACROSS {
+            if self.is_region(k, next) {
+                last = next;
+            }
+            next += 1;
+        }
+        Some((start..last + 1, last + 1))
+    }
+
     /// Keep's mapping, or the view: the snapshot's own.
     fn is_ours(&self, mapping: &Mapping) -> bool {
         // SAFETY: Keep lives as long as the process.
         let k = unsafe { &*self.keep };
         mapping.is_within(self.keep)
             || (mapping.start >= k.view && mapping.end <= k.view + k.size.max(PAGE))
+    }
+}
+
+/// Puts back the pages of region `layout` from `start` to `end`, found
+/// written: compared and copied back in a writable region, dropped in a
+/// read-only one (written by force, through `/proc/self/mem`, or made
+/// writable and back), where they read as the snapshot's again.
+fn put_back(
+    view: usize,
+    layout: &Mapping,
+    start: usize,
+    end: usize,
+    trim: bool,
+    restored: &mut Restored,
+) {
+    if layout.prot & libc::PROT_WRITE != 0 {
+        let source = view + layout.offset + (start - layout.start);
+        // SAFETY: both ranges are mapped: the region's pages and the view
+        // of the snapshot's bytes for them.
+        unsafe { put_back_pages(source, start, end, trim, restored) };
+    } else {
+        // SAFETY: pages of a read-only snapshot region, private.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+        restored.pages += (end - start) / PAGE;
     }
 }
 
@@ -487,6 +634,18 @@ pub const HALF_TAKEN: i32 = 113;
 /// of an anonymous one (an untouched one reads as zero, as the memfd's
 /// hole does).
 fn copy_out(memfd: RawFd, region: &Region, scan: Scan, k: &mut Keep) -> Result<(), MemoryError> {
+    if region.prot & libc::PROT_READ == 0 {
+        // Inaccessible memory with pages of its own is read to be copied;
+        // its mapping from the memfd takes its protection back.
+        // SAFETY: adds read access to a range this process maps.
+        unsafe {
+            libc::mprotect(
+                region.start as *mut libc::c_void,
+                region.end - region.start,
+                libc::PROT_READ,
+            )
+        };
+    }
     let anonymous = k.now[..k.current]
         .iter()
         .find(|m| m.start == region.start)
@@ -531,6 +690,13 @@ fn copy_out(memfd: RawFd, region: &Region, scan: Scan, k: &mut Keep) -> Result<(
         from = next;
     }
     Ok(())
+}
+
+/// Whether `mapping`, of a file, holds pages of its own: present and not
+/// the file's, or swapped out.
+fn holds_own_pages(scan: Scan, k: &mut Keep, mapping: &Mapping) -> Result<bool, MemoryError> {
+    let (found, _) = written_pages(scan, k, mapping.start, mapping.end)?;
+    Ok(found > 0)
 }
 
 /// The written pages of a memfd region from `from` to `end`: present and

@@ -27,6 +27,7 @@ pub mod heap;
 pub mod maps;
 pub mod memory;
 pub mod pinned;
+pub mod read_only;
 pub mod settings;
 pub mod state;
 
