@@ -546,3 +546,65 @@ fn a_warm_up_that_raises_is_refused_with_its_error() {
     );
     assert_eq!(output.status.code(), Some(0), "{text}");
 }
+
+/// numexpr (which pandas imports where it is installed) starts its pool
+/// when it is imported: the zygote ends it (numexpr joins its threads when
+/// set to one) rather than load such a node in every call's child, and
+/// each call's child sizes it to the call's share, as a fresh process
+/// with the call's `NUMEXPR_NUM_THREADS` would be; a reset resident so too,
+/// its pool ended again after each call.
+#[test]
+fn a_node_that_imports_numexpr_is_loaded_once_and_each_call_gets_its_share() {
+    assert!(
+        has_module("numexpr"),
+        "numexpr is not installed: run .ci/run, which installs it, or pip install numexpr"
+    );
+    let dir = scratch("numexpr");
+    let node = write_node(
+        &dir,
+        "numexpr_node.py",
+        "import os, numexpr\n\
+         LOADED_BY = os.getpid()\n\
+         def process(x):\n\
+         \x20   tasks = len(os.listdir('/proc/self/task'))\n\
+         \x20   return [LOADED_BY, os.getpid(), numexpr.get_num_threads(), tasks]\n",
+    );
+    for isolation in ["call", "reset"] {
+        for jobs in [1, 2] {
+            let output = sweep(
+                &node,
+                &[
+                    "--grid",
+                    "x=0..5",
+                    "-j",
+                    &jobs.to_string(),
+                    "--isolation",
+                    isolation,
+                ],
+                &[],
+            );
+            let results = results(&output);
+            let threads = share(jobs) as u64;
+            let mut served_by = Vec::new();
+            for result in &results {
+                let (loaded_by, pid) = (result[0].as_u64(), result[1].as_u64());
+                assert_ne!(
+                    loaded_by, pid,
+                    "{isolation} -j {jobs}: the node was loaded in the zygote, once: {results:?}"
+                );
+                assert_eq!(result[2], threads, "{isolation} -j {jobs}: {results:?}");
+                let tasks = if threads > 1 { 1 + threads } else { 1 };
+                assert_eq!(result[3], tasks, "{isolation} -j {jobs}: {results:?}");
+                served_by.push(pid);
+            }
+            if isolation == "reset" {
+                served_by.sort_unstable();
+                served_by.dedup();
+                assert!(
+                    served_by.len() < results.len(),
+                    "-j {jobs}: residents served more than one call: {results:?}"
+                );
+            }
+        }
+    }
+}

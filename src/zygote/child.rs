@@ -20,8 +20,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use fluksio_embed::capture::{self, LogBuffer};
+use fluksio_embed::finish;
 use fluksio_embed::generator::{self, Step};
-use fluksio_embed::{finish, fork};
 
 use super::assignment::{Assignment, Function, Task, TrialVerdict};
 use super::reply::{encode_logs, encode_reply, system_exit_code};
@@ -114,7 +114,7 @@ pub fn serve(
         (Task::Trial, Ok(_)) if super::device::cuda_in_use(py) => {
             TrialVerdict::LoadedWithCuda.exit_code()
         }
-        (Task::Trial, Ok(_)) if !fork::forks_safely(py) => {
+        (Task::Trial, Ok(_)) if !super::threads::forks_safely(py) => {
             TrialVerdict::LoadedButForkUnsafe.exit_code()
         }
         (Task::Trial, Ok(_)) if heavy => TrialVerdict::LoadedHeavy.exit_code(),
@@ -245,6 +245,9 @@ impl PresetEnv {
     /// pools are sized again, since the call sets them anew).
     pub(super) fn apply(&self, py: Python<'_>, env: &[(String, String)]) -> PyResult<()> {
         if env == self.env.as_slice() {
+            if !env.is_empty() {
+                super::threads::resize_eager_pools();
+            }
             return Ok(());
         }
         if !self.env.is_empty() {

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use fluksio_embed::{capture, fork};
+use fluksio_embed::capture;
 use pyo3::prelude::*;
 
 use super::assignment::{Assignment, Function, Task};
@@ -211,7 +211,7 @@ impl Nodes {
             _ => None,
         };
         self.remember(key, source, digest, residence);
-        if !fork::forks_safely(py) {
+        if !super::threads::forks_safely(py) {
             tracing::error!(
                 "loading node {key} into the zygote left a thread running that does not stop at \
                  fork, though its trial did not; restarting the zygote with the node loaded in \

@@ -229,7 +229,7 @@ pub fn try_in_child(
             capture::drop_writes();
             let _ = capture::redirect_stdio(py);
             let imported = run_try(py, &batch, started).unwrap_or_default();
-            let code = if fork::forks_safely(py) {
+            let code = if super::threads::forks_safely(py) {
                 FORKS_SAFELY
             } else {
                 FORK_UNSAFE

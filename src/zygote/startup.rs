@@ -156,7 +156,7 @@ pub(super) fn set_up(py: Python<'_>, options: &ZygoteOptions) -> Result<(), Star
 /// stops its pool in a fork handler (tolerated, and gone after this fork);
 /// anything else is logged, since forking with it may hang.
 fn settle_baseline(py: Python<'_>, preload: &[String]) -> Result<(), StartupError> {
-    if fork::forks_safely(py) {
+    if super::threads::forks_safely(py) {
         return Ok(());
     }
     let left = fork::threads_at_last_fork();

@@ -24,7 +24,9 @@
 //!    before the call's environment existed.
 //!
 //! The zygote never sets a pool to more than one thread: a pool started
-//! there does not survive the fork (libgomp's hangs the child).
+//! there does not survive the fork (libgomp's hangs the child). numexpr's,
+//! which starts when it is imported, is ended before the zygote's threads
+//! are counted ([`forks_safely`]).
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::OnceLock;
@@ -185,9 +187,23 @@ enum Kind {
     Blis,
     FlexiBlas,
     OpenMp,
+    /// numexpr's virtual machine, which starts its pool when it is
+    /// imported (pandas imports it where it is installed).
+    NumExpr,
 }
 
 impl Kind {
+    /// The kind of the library at `path`: numexpr's extension module by
+    /// its package, the rest by their file names.
+    fn of_path(path: &[u8]) -> Option<Kind> {
+        let mut parts = path.rsplit(|&b| b == b'/');
+        let name = String::from_utf8_lossy(parts.next()?);
+        if name.starts_with("interpreter.") && parts.next() == Some(b"numexpr") {
+            return Some(Kind::NumExpr);
+        }
+        Kind::of(&name)
+    }
+
     /// What a library's file name starts with (threadpoolctl's prefixes).
     fn of(file_name: &str) -> Option<Kind> {
         let prefixes: [(&str, Kind); 8] = [
@@ -219,6 +235,7 @@ impl Kind {
             Kind::Blis => &["BLIS_NUM_THREADS", "OMP_NUM_THREADS"],
             Kind::FlexiBlas => &["FLEXIBLAS_NUM_THREADS", "OMP_NUM_THREADS"],
             Kind::OpenMp => &["OMP_NUM_THREADS"],
+            Kind::NumExpr => &["NUMEXPR_NUM_THREADS", "OMP_NUM_THREADS"],
         }
     }
 
@@ -238,6 +255,9 @@ impl Kind {
             Kind::Blis => vec!["bli_thread_set_num_threads".into()],
             Kind::FlexiBlas => vec!["flexiblas_set_num_threads".into()],
             Kind::OpenMp => vec!["omp_set_num_threads".into()],
+            // `int numexpr_set_nthreads(int)`, a C++ name: it joins the
+            // pool's threads, then starts as many as asked past one.
+            Kind::NumExpr => vec!["_Z20numexpr_set_nthreadsi".into()],
         }
     }
 
@@ -284,8 +304,7 @@ impl Pool {
 /// loaded library, never closed).
 fn loaded_of_known_kinds() -> impl Iterator<Item = (Kind, *mut c_void)> {
     loaded_libraries().into_iter().filter_map(|path| {
-        let name = path.to_bytes().rsplit(|&b| b == b'/').next()?;
-        let kind = Kind::of(&String::from_utf8_lossy(name))?;
+        let kind = Kind::of_path(path.to_bytes())?;
         // SAFETY: RTLD_NOLOAD only finds a library already loaded; it loads
         // and runs nothing.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
@@ -436,6 +455,23 @@ pub fn follow_environment(changed: bool, again: bool) {
     }
 }
 
+/// In a reset resident, for a call that finds its variables set already:
+/// the pools that start their threads when they are sized (numexpr's),
+/// which the snapshot holds at one thread (`end_pools`), sized as those
+/// variables say, as a fresh child's are.
+pub fn resize_eager_pools() {
+    let read = |name: &str| std::env::var(name).ok();
+    let found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_, pools)) = found.as_ref() else {
+        return;
+    };
+    for pool in pools.iter().filter(|pool| pool.kind == Kind::NumExpr) {
+        if let Some(threads) = pool.kind.wanted(read).filter(|&n| n > 1) {
+            pool.set_threads(threads);
+        }
+    }
+}
+
 /// Runs `f` with the loaded OpenMP, MKL and OpenBLAS pools at one thread,
 /// then puts back what they were asked before: for node code run in the
 /// zygote itself (a warm-up), where an OpenMP pool that starts its threads
@@ -449,7 +485,7 @@ pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
         .unwrap_or_default()
         .into_iter()
         .filter(|pool| match pool.kind {
-            Kind::OpenMp | Kind::Mkl => true,
+            Kind::OpenMp | Kind::Mkl | Kind::NumExpr => true,
             // Only where its count can be set without its setter, which
             // would start its pool here.
             Kind::OpenBlas => pool.openblas.is_some(),
@@ -469,11 +505,21 @@ pub fn single_threaded<R>(f: impl FnOnce() -> R) -> R {
     result
 }
 
+/// Whether this process can fork with no stray thread, once the pools
+/// that start their threads on their own have ended them (numexpr's, when
+/// it is imported: a preload, a node, a learned import, a warm-up). Every
+/// check of the zygote's threads goes through here.
+pub fn forks_safely(py: pyo3::Python<'_>) -> bool {
+    end_pools();
+    fluksio_embed::fork::forks_safely(py)
+}
+
 /// Ends the threads a call's pools started, as each library ends them
 /// itself: OpenBLAS's server as it does before a fork
 /// (`blas_thread_shutdown_`), an OpenMP runtime's team by
 /// `omp_pause_resource_all(omp_pause_hard)` (libgomp, LLVM's and Intel's
-/// runtimes; MKL's threads are the latter's). For a reset resident, whose
+/// runtimes; MKL's threads are the latter's), numexpr's by setting it to
+/// one thread, which joins the rest. For a reset resident, whose
 /// memory is put back only where it runs one thread again: a pool asked
 /// for more than one thread per call starts its threads in every call.
 /// Libraries the call loaded itself are looked for too: their threads run
@@ -485,6 +531,7 @@ pub fn end_pools() -> bool {
         let ender = match kind {
             Kind::OpenBlas => "blas_thread_shutdown_",
             Kind::OpenMp => "omp_pause_resource_all",
+            Kind::NumExpr => "_Z20numexpr_set_nthreadsi",
             Kind::Mkl | Kind::Blis | Kind::FlexiBlas => continue,
         };
         if let Some(end) = symbol(handle, ender) {
@@ -496,6 +543,10 @@ pub fn end_pools() -> bool {
                 if kind == Kind::OpenBlas {
                     let end: unsafe extern "C" fn() -> c_int = std::mem::transmute(end);
                     end();
+                } else if kind == Kind::NumExpr {
+                    // One thread: its pool joined, none started.
+                    let end: unsafe extern "C" fn(c_int) -> c_int = std::mem::transmute(end);
+                    end(1);
                 } else {
                     // `omp_pause_resource_t` is a C enum: an int.
                     let end: unsafe extern "C" fn(c_int) -> c_int = std::mem::transmute(end);
@@ -520,7 +571,7 @@ impl Pool {
                     .ok()
                     .filter(|&n| n > 0);
             }
-            Kind::Blis | Kind::FlexiBlas => return None,
+            Kind::Blis | Kind::FlexiBlas | Kind::NumExpr => return None,
         };
         let get = symbol(self.handle, name)?;
         // SAFETY: both getters are `int f(void)`.
@@ -575,6 +626,18 @@ mod tests {
         assert_eq!(Kind::of("libgomp-e985bcbb.so.1.0.0"), Some(Kind::OpenMp));
         assert_eq!(Kind::of("libmkl_rt.so.2"), Some(Kind::Mkl));
         assert_eq!(Kind::of("libpython3.11.so.1.0"), None);
+        assert_eq!(
+            Kind::of_path(b"/v/site-packages/numexpr/interpreter.cpython-311-x86_64-linux-gnu.so"),
+            Some(Kind::NumExpr)
+        );
+        assert_eq!(
+            Kind::of_path(b"/v/lib-dynload/interpreter.cpython-311-x86_64-linux-gnu.so"),
+            None
+        );
+        assert_eq!(
+            Kind::of_path(b"/v/numpy.libs/libscipy_openblas64_-32a4b2a6.so"),
+            Some(Kind::OpenBlas)
+        );
         assert!(
             Kind::OpenBlas
                 .setters()

@@ -130,7 +130,7 @@ fn hazard(py: Python<'_>) -> Option<String> {
                 .into(),
         );
     }
-    if !fork::forks_safely(py) {
+    if !super::threads::forks_safely(py) {
         let left = fork::threads_at_last_fork().saturating_sub(1);
         return Some(format!(
             "it left {left} {} running that {} not stop at fork (an OpenMP pool, a CUDA \
