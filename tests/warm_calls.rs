@@ -569,8 +569,12 @@ fn a_node_that_imports_numexpr_is_loaded_once_and_each_call_gets_its_share() {
          \x20   tasks = len(os.listdir('/proc/self/task'))\n\
          \x20   return [LOADED_BY, os.getpid(), numexpr.get_num_threads(), tasks]\n",
     );
+    // Each isolation, each number in flight, and the user's own variable,
+    // which is kept (as joblib keeps it) over the share.
+    let users = [("NUMEXPR_NUM_THREADS", "1")];
+    let cases: [(usize, &[(&str, &str)]); 3] = [(1, &[]), (2, &[]), (1, &users)];
     for isolation in ["call", "reset"] {
-        for jobs in [1, 2] {
+        for (jobs, env) in cases {
             let output = sweep(
                 &node,
                 &[
@@ -581,10 +585,14 @@ fn a_node_that_imports_numexpr_is_loaded_once_and_each_call_gets_its_share() {
                     "--isolation",
                     isolation,
                 ],
-                &[],
+                env,
             );
             let results = results(&output);
-            let threads = share(jobs) as u64;
+            let threads = if env.is_empty() {
+                share(jobs) as u64
+            } else {
+                1
+            };
             let mut served_by = Vec::new();
             for result in &results {
                 let (loaded_by, pid) = (result[0].as_u64(), result[1].as_u64());
