@@ -98,17 +98,20 @@ fn open_mapped_file(mapping: &Mapping, maps: Option<RawFd>) -> Option<RawFd> {
 }
 
 /// `path` (NUL-terminated) opened read-only, if it is the file `mapping`
-/// maps.
+/// maps, and a regular file (a device's mapping is left as it is: opening
+/// one again may do more than read it).
 fn open_same(path: &[u8], mapping: &Mapping) -> Option<RawFd> {
     // SAFETY: open with a NUL-terminated path; fstat into a zeroed struct
     // of the fd just opened, closed unless returned.
     unsafe {
-        let file = libc::open(path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC);
+        let flags = libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK;
+        let file = libc::open(path.as_ptr().cast(), flags);
         if file < 0 {
             return None;
         }
         let mut stat: libc::stat = std::mem::zeroed();
         let same = libc::fstat(file, &mut stat) == 0
+            && stat.st_mode & libc::S_IFMT == libc::S_IFREG
             && stat.st_ino == mapping.inode
             && maps::device(libc::major(stat.st_dev), libc::minor(stat.st_dev)) == mapping.dev;
         if same {
