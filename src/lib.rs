@@ -21,6 +21,7 @@
 
 pub mod agent;
 pub mod artifacts;
+pub mod bind_now;
 pub mod cli;
 pub mod containment;
 pub mod end;

@@ -294,3 +294,28 @@ mod a_child_per_node {
         );
     }
 }
+
+/// The runtime starts itself again with every function bound
+/// (`LD_BIND_NOW`: the loader's lazy binding saves the vector registers,
+/// a request's bytes, on the zygote's stack): a call finds the variable as
+/// the user set it, or not at all, and the runtime's own marker never.
+#[test]
+fn a_call_finds_ld_bind_now_as_the_user_left_it() {
+    let source = "import os\ndef process():\n    return [os.environ.get('LD_BIND_NOW'), sorted(k for k in os.environ if 'BIND_NOW' in k)]\n";
+    for given in [None, Some(""), Some("1")] {
+        let mut command = std::process::Command::new(common::ZYGOTE);
+        command.arg("worker").env_remove("LD_BIND_NOW");
+        if let Some(value) = given {
+            command.env("LD_BIND_NOW", value);
+        }
+        let mut worker = common::Worker::spawn(command);
+        let reply = worker.call(&run(1, "bind", source, json!({}))).reply;
+        assert_eq!(reply["ok"], true, "{reply}");
+        let expected_keys: Vec<&str> = given.iter().map(|_| "LD_BIND_NOW").collect();
+        assert_eq!(
+            reply["result"],
+            json!([given, expected_keys]),
+            "given {given:?}"
+        );
+    }
+}

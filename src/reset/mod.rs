@@ -311,11 +311,11 @@ fn open_cell() -> std::io::Result<Option<Pinned>> {
 /// that dropped, down to `stack`, where the stack's mapping starts.
 #[inline(never)]
 pub fn wipe_stack_below(stack: usize) {
-    burn();
+    fluksio_embed::fork::zero_stack_below();
     let here = std::hint::black_box(0u8);
     let here = std::ptr::addr_of!(here) as usize;
-    // Below everything `burn`'s frame wrote over.
-    let floor = here.saturating_sub(BURNT + 8192) & !4095;
+    // Below everything the zeroing's frame wrote over.
+    let floor = here.saturating_sub(fluksio_embed::fork::STACK_ZEROED + 8192) & !4095;
     if floor > stack {
         // SAFETY: pages of this thread's stack below every live frame.
         unsafe {
@@ -326,17 +326,4 @@ pub fn wipe_stack_below(stack: usize) {
             )
         };
     }
-}
-
-/// Bytes of stack [`burn`] writes over.
-const BURNT: usize = 64 * 1024;
-
-/// Writes zeros over `BURNT` bytes of stack right below its caller.
-#[inline(never)]
-fn burn() {
-    let mut burnt = std::mem::MaybeUninit::<[u8; BURNT]>::uninit();
-    // SAFETY: zeros written over a local, whole; `black_box` keeps the
-    // writes (a memset, where a byte at a time cost 1.6% of a put-back).
-    unsafe { std::ptr::write_bytes(burnt.as_mut_ptr(), 0, 1) };
-    std::hint::black_box(&mut burnt);
 }

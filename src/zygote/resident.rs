@@ -1075,7 +1075,14 @@ fn serve_resetting(
     let mut space = crate::link::ReceiveSpace::new();
     let reset = crate::reset::Reset::take(super::threads::end_pools);
     match &reset {
-        Ok(_) => say_ready(&control, false),
+        Ok(reset) => {
+            // What the zygote's frames left below this one, deeper than it
+            // zeroed before the fork, is no call's to read.
+            if let Some(stack) = reset.stack_start() {
+                crate::reset::wipe_stack_below(stack);
+            }
+            say_ready(&control, false)
+        }
         // Its first call is served as a fresh child's, then it is gone.
         Err(why) => tell(
             &control,
