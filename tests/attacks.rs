@@ -153,6 +153,7 @@ fn assert_reached_nothing(found: &Value, isolation: &str) {
         "",
         "/pagemap",
         "/maps",
+        "/statm",
         "/fd",
         "/ns",
         "/task",

@@ -1472,3 +1472,86 @@ def process(call):
     }
     a_resident_served_more_than_one(&served_by);
 }
+
+/// A library's code and read-only data, and RELRO, are sealed in a
+/// resident (`mseal`, Linux 6.10): the put-back reads only the mappings a
+/// call can change. A call that tries to unmap or re-protect them is
+/// refused (or, where the kernel cannot seal, its resident is retired),
+/// and every later call finds them as they were; a read-only mapping a
+/// call leaves, which the put-back does not read, is found by the size of
+/// them all and unmapped, its resident kept.
+#[test]
+fn no_call_unmaps_or_reprotects_sealed_memory_and_what_it_maps_read_only_is_gone() {
+    let source = r#"import ctypes, mmap, os, _bisect, bisect
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+def line_at(address):
+    for line in open("/proc/self/maps"):
+        start, end = (int(v, 16) for v in line.split()[0].split("-"))
+        if start <= address < end:
+            return " ".join(line.split()[:3])
+    return None
+
+CODE = next(
+    int(line.split("-")[0], 16)
+    for line in open("/proc/self/maps")
+    if line.rstrip().endswith(_bisect.__file__) and line.split()[1].startswith("r-x")
+)
+
+def process(action, left=0):
+    done = None
+    if action == "unmap":
+        done = [libc.munmap(CODE, 4096), ctypes.get_errno()]
+    elif action == "protect":
+        done = [libc.mprotect(CODE, 4096, 0), ctypes.get_errno()]
+    elif action == "map":
+        with open(_bisect.__file__, "rb") as f:
+            done = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_PRIVATE, f.fileno(), 0)
+    return [os.getpid(), {
+        "done": done,
+        "code": line_at(CODE),
+        "left": line_at(left) if left else None,
+        "bisect": bisect.bisect([1, 3, 5], 4),
+    }]
+"#;
+    let mut worker = reset_worker();
+    let mut id = 0;
+    let mut call = |worker: &mut Worker, kwargs: Value| {
+        id += 1;
+        served(&worker.call(&run(id, "sealed", source, kwargs)).reply)
+    };
+    let (_, before) = call(&mut worker, json!({"action": "look"}));
+    let code = before["code"].clone();
+    assert!(
+        code.as_str().is_some_and(|line| line.contains("r-x")),
+        "{before}"
+    );
+    let (_, mapped) = call(&mut worker, json!({"action": "map"}));
+    let left = mapped["done"].as_u64().expect("an address");
+    assert!(mapped["left"].is_null() && left > 0, "{mapped}");
+    let mut pids = Vec::new();
+    let mut refused = true;
+    for action in ["unmap", "protect"] {
+        let (pid, tried) = call(&mut worker, json!({"action": action}));
+        pids.push(pid);
+        // Sealed: refused (EPERM); where the kernel cannot seal, done, and
+        // the resident that did it is retired.
+        refused &= tried["done"] == json!([-1, libc::EPERM]);
+        for _ in 0..3 {
+            let (pid, after) = call(&mut worker, json!({"action": "look", "left": left}));
+            pids.push(pid);
+            assert_eq!(after["code"], code, "{action}: {after}");
+            assert_eq!(after["bisect"], 2, "{action}: {after}");
+            assert_eq!(after["left"], Value::Null, "{action}: {after}");
+        }
+    }
+    if refused {
+        served_by_residents(&pids);
+    } else {
+        eprintln!("this kernel does not seal (mseal, Linux 6.10): the calls were refused nothing");
+    }
+}

@@ -117,26 +117,39 @@ const VMA_SHARED: u64 = 0x8;
 /// Whether the kernel answers `PROCMAP_QUERY` on `fd`, an open
 /// `/proc/self/maps`.
 pub fn can_query(fd: RawFd) -> bool {
-    query_one(fd, 0, None).is_ok()
+    query_one(fd, 0, 0, None).is_ok()
 }
 
-/// Reads every mapping into `into` by `PROCMAP_QUERY` on `fd`, an open
-/// `/proc/self/maps`: the count, `Ok(None)` if there are more than `into`
-/// holds. Only an anonymous mapping's name is asked for: it tells the
-/// kernel's own (`[vdso]`) from the rest. The vsyscall page, outside the
-/// process's tree of mappings, is not among them.
-pub fn query(fd: RawFd, into: &mut [Mapping]) -> std::io::Result<Option<usize>> {
+/// Which mappings [`query`] reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    Every,
+    /// The writable ones only: the kernel walks past the rest itself,
+    /// with no ioctl of their own.
+    Writable,
+}
+
+/// Reads the mappings `which` names into `into` by `PROCMAP_QUERY` on
+/// `fd`, an open `/proc/self/maps`: the count, `Ok(None)` if there are
+/// more than `into` holds. Only an anonymous mapping's name is asked for:
+/// it tells the kernel's own (`[vdso]`) from the rest. The vsyscall page,
+/// outside the process's tree of mappings, is not among them.
+pub fn query(fd: RawFd, into: &mut [Mapping], which: Which) -> std::io::Result<Option<usize>> {
+    let filter = match which {
+        Which::Every => 0,
+        Which::Writable => VMA_WRITABLE,
+    };
     let mut count = 0;
     let mut at = 0u64;
     let mut name = [0u8; 256];
     loop {
-        let found = match query_one(fd, at, None) {
+        let found = match query_one(fd, at, filter, None) {
             Ok(found) => found,
             Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(Some(count)),
             Err(error) => return Err(error),
         };
         let special = found.inode == 0
-            && match query_one(fd, found.vma_start, Some(&mut name)) {
+            && match query_one(fd, found.vma_start, 0, Some(&mut name)) {
                 Ok(named) => {
                     let length = (named.vma_name_size as usize).saturating_sub(1);
                     is_special_name(&name[..length.min(name.len())])
@@ -148,21 +161,39 @@ pub fn query(fd: RawFd, into: &mut [Mapping]) -> std::io::Result<Option<usize>> 
         let Some(slot) = into.get_mut(count) else {
             return Ok(None);
         };
-        let flag = |bit: u64, prot: i32| if found.vma_flags & bit != 0 { prot } else { 0 };
         *slot = Mapping {
-            start: found.vma_start as usize,
-            end: found.vma_end as usize,
-            offset: found.vma_offset as usize,
-            inode: found.inode,
-            dev: device(found.dev_major, found.dev_minor),
-            prot: flag(VMA_READABLE, libc::PROT_READ)
-                | flag(VMA_WRITABLE, libc::PROT_WRITE)
-                | flag(VMA_EXECUTABLE, libc::PROT_EXEC),
-            private: found.vma_flags & VMA_SHARED == 0,
             special,
+            ..mapping_of(&found)
         };
         count += 1;
         at = found.vma_end;
+    }
+}
+
+/// Whether `mapping` is there now as it is, by one `PROCMAP_QUERY` on
+/// `fd` (its name, and so whether it is the kernel's, not compared).
+pub fn is_there(fd: RawFd, mapping: &Mapping) -> std::io::Result<bool> {
+    match query_one(fd, mapping.start as u64, 0, None) {
+        Ok(found) => Ok(mapping_of(&found).order(mapping) == Ordering::Equal),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// The mapping a query found, not yet told special or not.
+fn mapping_of(found: &ProcmapQuery) -> Mapping {
+    let flag = |bit: u64, prot: i32| if found.vma_flags & bit != 0 { prot } else { 0 };
+    Mapping {
+        start: found.vma_start as usize,
+        end: found.vma_end as usize,
+        offset: found.vma_offset as usize,
+        inode: found.inode,
+        dev: device(found.dev_major, found.dev_minor),
+        prot: flag(VMA_READABLE, libc::PROT_READ)
+            | flag(VMA_WRITABLE, libc::PROT_WRITE)
+            | flag(VMA_EXECUTABLE, libc::PROT_EXEC),
+        private: found.vma_flags & VMA_SHARED == 0,
+        special: false,
     }
 }
 
@@ -175,18 +206,24 @@ pub fn device(major: u32, minor: u32) -> u64 {
 /// `PROCMAP_QUERY` on `fd`; `None` for a mapping of no file, or a path
 /// longer than `into`.
 pub fn path_of(fd: RawFd, at: usize, into: &mut [u8]) -> Option<&[u8]> {
-    let found = query_one(fd, at as u64, Some(into)).ok()?;
+    let found = query_one(fd, at as u64, 0, Some(into)).ok()?;
     if found.inode == 0 || found.vma_start != at as u64 || found.vma_name_size == 0 {
         return None;
     }
     into.get(..found.vma_name_size as usize)
 }
 
-/// The mapping at `at` or the first above it; its name into `name`.
-fn query_one(fd: RawFd, at: u64, name: Option<&mut [u8]>) -> std::io::Result<ProcmapQuery> {
+/// The mapping at `at` or the first above it with every `VMA_*` bit of
+/// `filter`; its name into `name`.
+fn query_one(
+    fd: RawFd,
+    at: u64,
+    filter: u64,
+    name: Option<&mut [u8]>,
+) -> std::io::Result<ProcmapQuery> {
     let mut query = ProcmapQuery {
         size: std::mem::size_of::<ProcmapQuery>() as u64,
-        query_flags: QUERY_COVERING_OR_NEXT_VMA,
+        query_flags: QUERY_COVERING_OR_NEXT_VMA | filter,
         query_addr: at,
         ..ProcmapQuery::default()
     };
@@ -308,10 +345,14 @@ mod tests {
         // allocation is a mapping of its own.)
         let mut parsed = vec![Mapping::default(); 4096];
         let mut queried = vec![Mapping::default(); 4096];
+        let mut only_writable = vec![Mapping::default(); 4096];
         for _ in 0..20 {
             let text = std::fs::read("/proc/self/maps").unwrap();
             let count = parse(&text, &mut parsed).unwrap();
-            let found = query(fd, &mut queried).unwrap().unwrap();
+            let found = query(fd, &mut queried, Which::Every).unwrap().unwrap();
+            let writable = query(fd, &mut only_writable, Which::Writable)
+                .unwrap()
+                .unwrap();
             let again = std::fs::read("/proc/self/maps").unwrap();
             if text != again {
                 continue;
@@ -325,13 +366,31 @@ mod tests {
             if parsed != queried[..found] {
                 continue;
             }
+            let parsed_writable: Vec<Mapping> = parsed
+                .iter()
+                .copied()
+                .filter(|m| m.prot & libc::PROT_WRITE != 0)
+                .collect();
+            if parsed_writable != only_writable[..writable] {
+                continue;
+            }
+            assert!(writable > 0 && writable < found);
+            // Each as it is, where none moved meanwhile.
+            if !parsed.iter().all(|mapping| is_there(fd, mapping).unwrap()) {
+                continue;
+            }
+            let moved = Mapping {
+                end: parsed[0].end + 4096,
+                ..parsed[0]
+            };
+            assert!(!is_there(fd, &moved).unwrap());
             assert!(
                 parsed.iter().any(|m| m.special),
                 "[stack] or [vdso] is special"
             );
             assert!(parsed.iter().any(|m| m.inode != 0 && m.offset != 0));
             let mut small = [Mapping::default(); 2];
-            assert_eq!(query(fd, &mut small).unwrap(), None);
+            assert_eq!(query(fd, &mut small, Which::Every).unwrap(), None);
             return;
         }
         panic!("the mappings never held still long enough to compare");

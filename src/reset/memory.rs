@@ -19,6 +19,13 @@
 //! ([`read_only`]), which nothing can write; what is neither (`[vdso]`) is
 //! watched, and a page of a call's own there cannot be put back.
 //!
+//! Code, read-only data and RELRO are then sealed (`mseal`): no call can
+//! unmap, remap or re-protect them, so a restore reads only the mappings a
+//! call can change, and the size of them all (`statm`) tells it whether
+//! the call left one it did not read (a library it loaded): about 80
+//! `PROCMAP_QUERY`s a trivial call's put-back with numpy loaded, where
+//! every mapping was ~190.
+//!
 //! Nothing of this lives in the memory it puts back: the tables are in a
 //! shared mapping of their own ([`Keep`]), which the snapshot leaves out,
 //! and the restore allocates nothing. The stack is left out too (it is in
@@ -67,6 +74,16 @@ struct Region {
     end: usize,
     offset: usize,
     prot: i32,
+    /// Read-only and of a file (RELRO): sealed once mapped from the memfd.
+    seals: bool,
+}
+
+/// A range of addresses, `start` to `end`.
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct Span {
+    start: usize,
+    end: usize,
 }
 
 /// What a snapshot does with a private mapping.
@@ -106,6 +123,14 @@ struct Keep {
     /// The mappings right after the snapshot, ascending.
     layout: usize,
     laid_out: [Mapping; MAX_MAPPINGS],
+    /// Which of `laid_out` are sealed (`mseal`): no call can unmap,
+    /// remap or re-protect them, so a put-back need not read them.
+    sealed: [bool; MAX_MAPPINGS],
+    /// Their bytes, all together.
+    sealed_bytes: usize,
+    /// The ranges sealed, ascending.
+    seals: usize,
+    seal: [Span; MAX_MAPPINGS],
     /// The mappings now, read before a restore.
     current: usize,
     now: [Mapping; MAX_MAPPINGS],
@@ -176,8 +201,13 @@ pub struct Snapshot {
     scan: Scan,
     /// How its mappings are read.
     maps: Maps,
-    /// The fds of the three, checked before each restore: a call can put
-    /// a file of its own at their numbers.
+    /// `/proc/self/statm`, where the mappings are queried: the size of
+    /// them all, which tells a put-back that reads only some of them
+    /// whether the call mapped anything it did not read.
+    statm: Option<RawFd>,
+    /// The fds it keeps (the pagemap, the mappings, `statm`, the memfd),
+    /// checked before each restore: a call can put a file of its own at
+    /// their numbers.
     kept: Vec<Pinned>,
 }
 
@@ -208,6 +238,10 @@ impl Snapshot {
         let mut kept = Vec::with_capacity(3);
         let scan = open_scan(&mut kept)?;
         let maps = open_maps(&mut kept)?;
+        let statm = match maps {
+            Maps::Query(_) => Some(open_kept(c"/proc/self/statm", &mut kept)?),
+            Maps::Text(_) => None,
+        };
         // SAFETY: memfd_create with a static name.
         let memfd = unsafe {
             libc::memfd_create(
@@ -230,6 +264,7 @@ impl Snapshot {
             keep,
             scan,
             maps,
+            statm,
             kept,
         })
     }
@@ -254,6 +289,7 @@ impl Snapshot {
         let mut size = 0;
         k.regions = 0;
         k.watched = 0;
+        k.seals = 0;
         for i in 0..k.current {
             let mapping = k.now[i];
             if !mapping.private || mapping.is_within(keep) || mapping.start >= KERNEL_HALF {
@@ -268,7 +304,10 @@ impl Snapshot {
                 Held::Region
             } else {
                 match read_only::map_shared(&mapping, query) {
-                    Remapped::Shared => Held::Not,
+                    Remapped::Shared => {
+                        seal(k, mapping.start, mapping.end);
+                        Held::Not
+                    }
                     Remapped::Left => Held::Watched,
                     // Code or data gone from under this process.
                     // SAFETY: _exit is always safe.
@@ -299,6 +338,10 @@ impl Snapshot {
                 end: mapping.end,
                 offset: size,
                 prot: mapping.prot(),
+                // Not anonymous memory made read-only: its owner may free
+                // it (a thread stack's guard, a JIT's code), where RELRO
+                // stays as long as its library.
+                seals: !writable && mapping.inode != 0,
             };
             k.regions += 1;
             size += mapping.end - mapping.start;
@@ -351,7 +394,17 @@ impl Snapshot {
         k.view = map_view(memfd, size.max(PAGE))?;
         // SAFETY: brk(0) reads the break.
         k.brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as usize;
+        // RELRO sealed now that it is the memfd's (a refusal sets errno,
+        // which the snapshot, whole, no longer minds).
+        for i in 0..k.regions {
+            let region = k.region[i];
+            if region.seals {
+                seal(k, region.start, region.end);
+            }
+        }
         read_maps(k, self.maps, true)?;
+        k.seal[..k.seals].sort_unstable_by_key(|span| span.start);
+        mark_sealed(k);
         protect_keep(keep, libc::PROT_READ);
         Ok(())
     }
@@ -387,7 +440,7 @@ impl Snapshot {
         // back (and its region is mapped again below).
         // SAFETY: brk to an address this process's heap had.
         unsafe { libc::syscall(libc::SYS_brk, k.brk) };
-        read_maps(k, self.maps, false)?;
+        let writable_only = self.read_mappings(k)?;
         // Mappings the call made, or changed: gone. A snapshot region among
         // them is mapped again whole below; any other mapping the snapshot
         // had (code, read-only data, a shared mapping) cannot be put back.
@@ -417,7 +470,10 @@ impl Snapshot {
             restored.unmapped += 1;
         }
         for layout in &k.laid_out[..k.layout] {
-            if layout.is_special() || in_now(k, layout) {
+            // Read only where it could have changed: every read-only one
+            // is as it was (sealed, or looked at by `read_mappings`).
+            let unread = writable_only && layout.prot & libc::PROT_WRITE == 0;
+            if layout.is_special() || unread || in_now(k, layout) {
                 continue;
             }
             if layout.inode != k.memfd_inode {
@@ -474,7 +530,7 @@ impl Snapshot {
                             break;
                         }
                         let (part_start, part_end) = (at.max(layout.start), until.min(layout.end));
-                        put_back(k.view, &layout, part_start, part_end, trim, &mut restored);
+                        put_back(k.view, &layout, part_start, part_end, trim, &mut restored)?;
                         at = part_end;
                     }
                 }
@@ -533,6 +589,54 @@ impl Snapshot {
         Some((start..last + 1, last + 1))
     }
 
+    /// Reads the mappings a restore compares with the layout into `now`:
+    /// where what was sealed is more than the rest, and nothing but the
+    /// writable ones changed, those alone (`true`); else every mapping.
+    ///
+    /// A call can change only an unsealed mapping. The writable ones are
+    /// read by one walk the kernel filters; each unsealed read-only one of
+    /// the layout is asked for where it was (the view, `[vdso]`, anonymous
+    /// memory made read-only). What is left is what the call mapped that is
+    /// not writable, or a read-only mapping it made of a writable one:
+    /// either way the size of all the mappings (`statm`) is not that of
+    /// those read and the sealed ones, and every mapping is read instead.
+    fn read_mappings(&self, k: &mut Keep) -> Result<bool, MemoryError> {
+        let (Maps::Query(fd), Some(statm)) = (self.maps, self.statm) else {
+            read_maps(k, self.maps, false)?;
+            return Ok(false);
+        };
+        if k.sealed_bytes == 0 {
+            read_maps(k, self.maps, false)?;
+            return Ok(false);
+        }
+        let count = maps::query(fd, &mut k.now, maps::Which::Writable)
+            .map_err(|e| MemoryError(format!("reading the mappings: {e}")))?
+            .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
+        k.set_current(count, false);
+        let mut bytes = k.sealed_bytes;
+        bytes += (k.now[..count].iter())
+            .map(|m| m.end - m.start)
+            .sum::<usize>();
+        for i in 0..k.layout {
+            let layout = k.laid_out[i];
+            if layout.prot & libc::PROT_WRITE != 0 || k.sealed[i] {
+                continue;
+            }
+            let there = maps::is_there(fd, &layout)
+                .map_err(|e| MemoryError(format!("reading the mappings: {e}")))?;
+            if !there {
+                read_maps(k, self.maps, false)?;
+                return Ok(false);
+            }
+            bytes += layout.end - layout.start;
+        }
+        if mapped_bytes(statm)? != bytes {
+            read_maps(k, self.maps, false)?;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
     /// Keep's mapping, or the view: the snapshot's own.
     fn is_ours(&self, mapping: &Mapping) -> bool {
         // SAFETY: Keep lives as long as the process.
@@ -553,17 +657,24 @@ fn put_back(
     end: usize,
     trim: bool,
     restored: &mut Restored,
-) {
+) -> Result<(), MemoryError> {
     if layout.prot & libc::PROT_WRITE != 0 {
         let source = view + layout.offset + (start - layout.start);
         // SAFETY: both ranges are mapped: the region's pages and the view
         // of the snapshot's bytes for them.
         unsafe { put_back_pages(source, start, end, trim, restored) };
     } else {
-        // SAFETY: pages of a read-only snapshot region, private.
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+        // SAFETY: pages of a read-only snapshot region, private. (A kernel
+        // whose `mseal` refused this for a sealed one would leave them:
+        // then the resident cannot be put back.)
+        let dropped =
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+        if dropped != 0 {
+            return Err(os_error("dropping pages written into read-only memory"));
+        }
         restored.pages += (end - start) / PAGE;
     }
+    Ok(())
 }
 
 /// Puts back the private pages from `start` to `end`, whose snapshot bytes
@@ -941,7 +1052,7 @@ fn map_view(memfd: RawFd, size: usize) -> Result<usize, MemoryError> {
 fn read_maps(k: &mut Keep, maps: Maps, as_layout: bool) -> Result<(), MemoryError> {
     let fd = match maps {
         Maps::Query(fd) => {
-            let count = maps::query(fd, &mut k.now)
+            let count = maps::query(fd, &mut k.now, maps::Which::Every)
                 .map_err(|e| MemoryError(format!("reading the mappings: {e}")))?
                 .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
             k.set_current(count, as_layout);
@@ -976,6 +1087,58 @@ fn read_maps(k: &mut Keep, maps: Maps, as_layout: bool) -> Result<(), MemoryErro
         .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
     k.set_current(count, as_layout);
     Ok(())
+}
+
+/// Seals `start` to `end` (`mseal`, Linux 6.10), remembered in `seal`:
+/// from here no call can unmap, remap or re-protect it. Where the kernel
+/// refuses (none before 6.10), it is read after each call as before.
+fn seal(k: &mut Keep, start: usize, end: usize) {
+    // SAFETY: mseal of a range this process maps; it changes no memory.
+    let sealed = unsafe { libc::syscall(libc::SYS_mseal, start, end - start, 0) } == 0;
+    if sealed && k.seals < MAX_MAPPINGS {
+        k.seal[k.seals] = Span { start, end };
+        k.seals += 1;
+    }
+}
+
+/// Marks each mapping of the layout that lies in a sealed range (the
+/// kernel merges no sealed mapping with an unsealed one), and counts
+/// their bytes.
+fn mark_sealed(k: &mut Keep) {
+    k.sealed_bytes = 0;
+    let mut span = 0;
+    for i in 0..k.layout {
+        let mapping = k.laid_out[i];
+        while span < k.seals && k.seal[span].end <= mapping.start {
+            span += 1;
+        }
+        let sealed = span < k.seals
+            && k.seal[span].start <= mapping.start
+            && mapping.end <= k.seal[span].end;
+        k.sealed[i] = sealed;
+        if sealed {
+            k.sealed_bytes += mapping.end - mapping.start;
+        }
+    }
+}
+
+/// The bytes this process maps, all its mappings together: `statm`'s
+/// first field, in pages. No allocation.
+fn mapped_bytes(statm: RawFd) -> Result<usize, MemoryError> {
+    let mut text = [0u8; 128];
+    // SAFETY: pread into a local buffer, within its length.
+    let n = unsafe { libc::pread(statm, text.as_mut_ptr().cast(), text.len(), 0) };
+    if n <= 0 {
+        return Err(os_error("reading /proc/self/statm"));
+    }
+    let pages = text[..n as usize]
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .try_fold(0usize, |pages, &b| {
+            pages.checked_mul(10)?.checked_add((b - b'0') as usize)
+        })
+        .ok_or_else(|| MemoryError("/proc/self/statm reads as no number".into()))?;
+    Ok(pages * PAGE)
 }
 
 impl Keep {
