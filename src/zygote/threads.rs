@@ -425,7 +425,6 @@ pub fn find_pools() {
 /// calls, a node loaded in the child). Nothing to do where the environment
 /// did not `change` and no pool was loaded since.
 pub fn follow_environment(changed: bool, again: bool) {
-    let read = |name: &str| std::env::var(name).ok();
     if again {
         let before = FOUND
             .lock()
@@ -444,15 +443,7 @@ pub fn follow_environment(changed: bool, again: bool) {
     } else if !changed {
         return;
     }
-    let found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
-    let Some((_, pools)) = found.as_ref() else {
-        return;
-    };
-    for pool in pools {
-        if let Some(threads) = pool.kind.wanted(read) {
-            pool.set_threads(threads);
-        }
-    }
+    size_pools(|_, _| true);
 }
 
 /// In a reset resident, for a call that finds its variables set already:
@@ -460,13 +451,19 @@ pub fn follow_environment(changed: bool, again: bool) {
 /// which the snapshot holds at one thread (`end_pools`), sized as those
 /// variables say, as a fresh child's are.
 pub fn resize_eager_pools() {
+    size_pools(|kind, threads| kind == Kind::NumExpr && threads > 1);
+}
+
+/// Each pool found that `which` picks (by its kind and the threads its
+/// variables ask for) sized as its variables now say.
+fn size_pools(which: impl Fn(Kind, usize) -> bool) {
     let read = |name: &str| std::env::var(name).ok();
     let found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
     let Some((_, pools)) = found.as_ref() else {
         return;
     };
-    for pool in pools.iter().filter(|pool| pool.kind == Kind::NumExpr) {
-        if let Some(threads) = pool.kind.wanted(read).filter(|&n| n > 1) {
+    for pool in pools {
+        if let Some(threads) = pool.kind.wanted(read).filter(|&n| which(pool.kind, n)) {
             pool.set_threads(threads);
         }
     }
