@@ -28,7 +28,7 @@ const ADDED: &str = "FLUKSIO_ADDED_LD_BIND_NOW";
 
 /// At the very start of `main`, before any thread: starts the process
 /// again with every function bound, unless it was so started. Where it
-/// cannot (no `/proc/self/exe`), it goes on as it is.
+/// cannot (its file not found), it goes on as it is.
 pub fn ensure() {
     if let Some(added) = std::env::var_os(ADDED) {
         // SAFETY: the start of main: no other thread reads the environment.
@@ -71,15 +71,17 @@ pub fn ensure() {
             .collect()
     };
     let (argv_ptrs, envp_ptrs) = (pointers(&argv), pointers(&envp));
+    // Its own file by its path, not `/proc/self/exe`: the kernel names the
+    // process after the file it was given (`comm`, as `ps` shows it).
+    let Some(path) = std::env::current_exe()
+        .ok()
+        .and_then(|path| CString::new(path.into_os_string().into_vec()).ok())
+    else {
+        return;
+    };
     // SAFETY: NUL-terminated arrays of NUL-terminated strings, alive
     // across the call; it returns only where the exec failed.
-    unsafe {
-        libc::execve(
-            c"/proc/self/exe".as_ptr(),
-            argv_ptrs.as_ptr(),
-            envp_ptrs.as_ptr(),
-        )
-    };
+    unsafe { libc::execve(path.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr()) };
 }
 
 fn c_strings(strings: impl Iterator<Item = OsString>) -> Option<Vec<CString>> {

@@ -298,7 +298,8 @@ mod a_child_per_node {
 /// The runtime starts itself again with every function bound
 /// (`LD_BIND_NOW`: the loader's lazy binding saves the vector registers,
 /// a request's bytes, on the zygote's stack): a call finds the variable as
-/// the user set it, or not at all, and the runtime's own marker never.
+/// the user set it, or not at all, and the runtime's own marker never; the
+/// process keeps its name (`ps` shows it as before).
 #[test]
 fn a_call_finds_ld_bind_now_as_the_user_left_it() {
     let source = "import os\ndef process():\n    return [os.environ.get('LD_BIND_NOW'), sorted(k for k in os.environ if 'BIND_NOW' in k)]\n";
@@ -317,5 +318,7 @@ fn a_call_finds_ld_bind_now_as_the_user_left_it() {
             json!([given, expected_keys]),
             "given {given:?}"
         );
+        let comm = std::fs::read_to_string(format!("/proc/{}/comm", worker.pid())).unwrap();
+        assert_eq!(comm.trim(), "fluksio-zygote");
     }
 }
