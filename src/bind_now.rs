@@ -31,16 +31,21 @@ const ADDED: &str = "FLUKSIO_ADDED_LD_BIND_NOW";
 /// cannot (its file not found), it goes on as it is.
 pub fn ensure() {
     if let Some(added) = std::env::var_os(ADDED) {
+        let ours = std::env::var_os(BIND_NOW).is_some_and(|value| value == "1");
         // SAFETY: the start of main: no other thread reads the environment.
         unsafe {
-            if added == "empty" {
-                std::env::set_var(BIND_NOW, "");
-            } else {
-                std::env::remove_var(BIND_NOW);
-            }
             std::env::remove_var(ADDED);
+            if ours {
+                if added == "empty" {
+                    std::env::set_var(BIND_NOW, "");
+                } else {
+                    std::env::remove_var(BIND_NOW);
+                }
+                return;
+            }
         }
-        return;
+        // A marker from elsewhere, with no `LD_BIND_NOW` of ours: started
+        // as any other time.
     }
     let had = std::env::var_os(BIND_NOW);
     if had.as_ref().is_some_and(|value| !value.is_empty()) {

@@ -441,10 +441,11 @@ fn in_worker_mode_no_call_finds_what_an_earlier_call_of_its_node_was_sent_or_ret
     let dir = common::scratch("attack-same-node");
     let gate = dir.join("gate");
     let source = victim_or_scanner(&gate);
-    // Requests of pages, and of blocks past glibc's first mmap threshold
+    // Requests of pages, of blocks past glibc's first mmap threshold
     // (which it raises as such blocks are freed: later ones land in the
-    // heap).
-    for padding in [16_000, 700_000] {
+    // heap), and of megabytes, whose tail the loader's lazy binding saved
+    // from the vector registers onto the zygote's stack (`bind_now`).
+    for padding in [16_000, 700_000, 6_000_000] {
         let secrets = sent_and_returned(&format!("worker-same-node-{padding}"));
         let padding = "p".repeat(padding);
         for (binary, isolation) in common::builds()

@@ -303,11 +303,21 @@ mod a_child_per_node {
 #[test]
 fn a_call_finds_ld_bind_now_as_the_user_left_it() {
     let source = "import os\ndef process():\n    return [os.environ.get('LD_BIND_NOW'), sorted(k for k in os.environ if 'BIND_NOW' in k)]\n";
-    for given in [None, Some(""), Some("1")] {
+    // The last: a marker like the runtime's own, inherited from elsewhere,
+    // does not stop the start again.
+    for (given, marker) in [
+        (None, false),
+        (Some(""), false),
+        (Some("1"), false),
+        (None, true),
+    ] {
         let mut command = std::process::Command::new(common::ZYGOTE);
         command.arg("worker").env_remove("LD_BIND_NOW");
         if let Some(value) = given {
             command.env("LD_BIND_NOW", value);
+        }
+        if marker {
+            command.env("FLUKSIO_ADDED_LD_BIND_NOW", "absent");
         }
         let mut worker = common::Worker::spawn(command);
         let reply = worker.call(&run(1, "bind", source, json!({}))).reply;
@@ -316,9 +326,21 @@ fn a_call_finds_ld_bind_now_as_the_user_left_it() {
         assert_eq!(
             reply["result"],
             json!([given, expected_keys]),
-            "given {given:?}"
+            "given {given:?}, marker {marker}"
         );
-        let comm = std::fs::read_to_string(format!("/proc/{}/comm", worker.pid())).unwrap();
-        assert_eq!(comm.trim(), "fluksio-zygote");
+        // Started with every function bound, under its own name.
+        let proc = |file: &str| std::fs::read(format!("/proc/{}/{file}", worker.pid())).unwrap();
+        let environ = proc("environ");
+        assert!(
+            environ
+                .split(|&b| b == 0)
+                .any(|var| var == b"LD_BIND_NOW=1"),
+            "given {given:?}, marker {marker}: {}",
+            String::from_utf8_lossy(&environ)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&proc("comm")).trim(),
+            "fluksio-zygote"
+        );
     }
 }
