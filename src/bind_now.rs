@@ -26,13 +26,15 @@ const BIND_NOW: &str = "LD_BIND_NOW";
 /// set back to the empty value it had (`empty`).
 const ADDED: &str = "FLUKSIO_ADDED_LD_BIND_NOW";
 
-/// At the very start of `main`, before any thread: starts the process
-/// again with every function bound, unless it was so started. Where it
-/// cannot (its file not found), it goes on as it is.
+/// Right after the command line is read, before any thread, in a process
+/// that forks calls: starts it again with every function bound, unless it
+/// was so started. Where it cannot (its file not found), it goes on as it
+/// is. (A pool slot's worker, `fetch` and the warden fork no call: they
+/// start once, as they did.)
 pub fn ensure() {
     if let Some(added) = std::env::var_os(ADDED) {
         let ours = std::env::var_os(BIND_NOW).is_some_and(|value| value == "1");
-        // SAFETY: the start of main: no other thread reads the environment.
+        // SAFETY: the start of main: no thread yet, none reads the environment.
         unsafe {
             std::env::remove_var(ADDED);
             if ours {

@@ -3,6 +3,5 @@
 static ALLOCATOR: fluksio_zygote::scrub::ZeroOnFree = fluksio_zygote::scrub::ZeroOnFree;
 
 fn main() -> std::process::ExitCode {
-    fluksio_zygote::bind_now::ensure();
     fluksio_zygote::cli::main()
 }

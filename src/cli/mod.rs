@@ -23,6 +23,9 @@ use crate::zygote::ZygoteOptions;
 pub fn main() -> ExitCode {
     crate::zygote::signals::note_ignored_at_start();
     let cli = Cli::parse_from(rewrite_worker_main(std::env::args_os().collect()));
+    if cli.command.forks_calls() {
+        crate::bind_now::ensure();
+    }
     if cli.log_format != LogFormat::Text {
         // The processes this one starts (an agent's zygote) log alike.
         // SAFETY: no thread has started yet.
@@ -135,6 +138,16 @@ pub fn main() -> ExitCode {
 
 impl Command {
     /// The zygote's flags of a command that runs calls.
+    /// Whether this process is a zygote that forks calls (a pool slot's
+    /// worker hands its calls to a shared one; `fetch`, the warden and the
+    /// metrics server fork none).
+    fn forks_calls(&self) -> bool {
+        match self {
+            Command::Worker(args) => !args.shared_zygote,
+            command => command.zygote_args().is_some(),
+        }
+    }
+
     fn zygote_args(&self) -> Option<&ZygoteArgs> {
         match self {
             Command::Worker(args) => Some(&args.zygote),
