@@ -601,16 +601,26 @@ impl Snapshot {
     /// either way the size of all the mappings (`statm`) is not that of
     /// those read and the sealed ones, and every mapping is read instead.
     fn read_mappings(&self, k: &mut Keep) -> Result<bool, MemoryError> {
+        if self.read_changeable(k)? {
+            return Ok(true);
+        }
+        read_maps(k, self.maps, false)?;
+        Ok(false)
+    }
+
+    /// The writable mappings into `now`, where nothing else can have
+    /// changed (`true`): something sealed, every unsealed read-only one
+    /// where it was, and the size of them all as `statm` says.
+    fn read_changeable(&self, k: &mut Keep) -> Result<bool, MemoryError> {
         let (Maps::Query(fd), Some(statm)) = (self.maps, self.statm) else {
-            read_maps(k, self.maps, false)?;
             return Ok(false);
         };
         if k.sealed_bytes == 0 {
-            read_maps(k, self.maps, false)?;
             return Ok(false);
         }
+        let unreadable = |e: std::io::Error| MemoryError(format!("reading the mappings: {e}"));
         let count = maps::query(fd, &mut k.now, maps::Which::Writable)
-            .map_err(|e| MemoryError(format!("reading the mappings: {e}")))?
+            .map_err(unreadable)?
             .ok_or_else(|| MemoryError("more mappings than a snapshot holds".into()))?;
         k.set_current(count, false);
         let mut bytes = k.sealed_bytes;
@@ -622,19 +632,12 @@ impl Snapshot {
             if layout.prot & libc::PROT_WRITE != 0 || k.sealed[i] {
                 continue;
             }
-            let there = maps::is_there(fd, &layout)
-                .map_err(|e| MemoryError(format!("reading the mappings: {e}")))?;
-            if !there {
-                read_maps(k, self.maps, false)?;
+            if !maps::is_there(fd, &layout).map_err(unreadable)? {
                 return Ok(false);
             }
             bytes += layout.end - layout.start;
         }
-        if mapped_bytes(statm)? != bytes {
-            read_maps(k, self.maps, false)?;
-            return Ok(false);
-        }
-        Ok(true)
+        Ok(mapped_bytes(statm)? == bytes)
     }
 
     /// Keep's mapping, or the view: the snapshot's own.
